@@ -1,0 +1,80 @@
+"""The `bench` command line (DESIGN.md "Command line").
+
+Exit codes: 0 success; 1 a run had a failed or incorrect case, or compare found a regression; 2 bad input,
+printed as one message naming the file, the field, the value given and what is allowed - no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench.console import make_console
+from bench.errors import BadInput
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from bench.runner import RunOptions, run
+
+    options = RunOptions(suite=Path(args.suite), impls=args.impl or [], device=args.device, out=Path(args.out),
+                         resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run)
+    return run(options, make_console())
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from bench.listing import list_command
+
+    return list_command(args.what, make_console())
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.case import resolve_device
+    from bench.env import capture
+
+    env = capture(backend=resolve_device("auto"))
+    print(json.dumps(env, indent=2))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run a suite and store every measurement")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation (repeatable)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override every case's device")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="measure only the pairs missing from this run")
+    p.add_argument("--dry-run", action="store_true", help="print the cases and implementations, run nothing")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("list", help="implementations, patterns or hardware, with availability")
+    p.add_argument("what", nargs="?", choices=["impls", "patterns", "hardware"], default="impls")
+    p.set_defaults(func=_cmd_list)
+
+    p = sub.add_parser("env", help="what was detected: GPUs, drivers, versions, git state")
+    p.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except BadInput as exc:
+        print(f"bench {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"bench {args.command}: interrupted; records written so far are kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""`bench list`: implementations with availability, patterns with their fields."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from bench import registry
+from bench.patterns import PATTERNS
+
+
+def impls_table() -> Table:
+    table = Table(title="implementations")
+    for column in ("name", "available", "devices", "fwd_bwd", "distributed", "description"):
+        table.add_column(column)
+    for impl in registry.all_impls():
+        why = impl.unavailable()
+        table.add_row(impl.name, "yes" if why is None else f"no: {escape(why)}", ",".join(sorted(impl.devices)),
+                      "yes" if impl.fwd_bwd else "no", "yes" if impl.distributed else "no",
+                      escape(impl.description))
+    return table
+
+
+def patterns_table() -> Table:
+    table = Table(title="patterns (i = query, j = key)")
+    for column in ("name", "fields", "allowed(i, j)"):
+        table.add_column(column)
+    for name, cls in PATTERNS.items():
+        table.add_row(name, ", ".join(cls.fields) or "-", escape(cls.description))
+    return table
+
+
+def list_command(what: str, console: Console) -> int:
+    if what == "impls":
+        console.print(impls_table())
+    elif what == "patterns":
+        console.print(patterns_table())
+    else:
+        from bench.hardware import hardware_table
+
+        console.print(hardware_table())
+    return 0

@@ -1,0 +1,123 @@
+"""The implementation interface (`Impl`) and the registry it registers into (`@register`).
+
+An implementation declares its capabilities as class attributes, says why it cannot run
+(`unavailable`, `unsupported`), and splits untimed setup from the timed call: `prepare()` returns the
+zero-argument callable that the runner times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from bench.case import Case
+    from bench.patterns import Pattern
+
+ALL_DEVICES = frozenset({"cpu", "cuda"})
+ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+class Impl:
+    """Base class of every implementation. Defaults: every pattern, cpu and cuda, every dtype, fwd only."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    devices: ClassVar[frozenset[str]] = ALL_DEVICES
+    dtypes: ClassVar[frozenset[str]] = ALL_DTYPES
+    patterns: ClassVar[frozenset[str] | None] = None  # None: every pattern
+    fwd_bwd: ClassVar[bool] = False  # supports mode fwd_bwd (the returned call is differentiable)
+    distributed: ClassVar[bool] = False  # runs with world_size > 1 (one process per rank)
+    max_seq_len: ClassVar[int | None] = None  # beyond this the implementation is impractical
+
+    def unavailable(self) -> str | None:
+        """Why this implementation cannot run on this machine at all (no GPU, no triton, ...), or None."""
+        return None
+
+    def unsupported(self, case: Case) -> str | None:
+        """Why this implementation cannot run this case, or None. Subclasses extend, calling super()."""
+        device = case.device
+        if device not in self.devices:
+            return f"{self.name} runs on {', '.join(sorted(self.devices))}, not {device}"
+        if case.dtype not in self.dtypes:
+            return f"{self.name} supports dtypes {', '.join(sorted(self.dtypes))}, not {case.dtype}"
+        if self.patterns is not None and case.pattern not in self.patterns:
+            return f"{self.name} supports patterns {', '.join(sorted(self.patterns))}, not {case.pattern}"
+        if case.mode == "fwd_bwd" and not self.fwd_bwd:
+            return f"{self.name} has no backward (mode fwd_bwd)"
+        if case.world_size > 1 and not self.distributed:
+            return f"{self.name} is single-process; world_size {case.world_size} needs a distributed impl"
+        if case.world_size == 1 and self.distributed and not self.runs_single_process():
+            return f"{self.name} needs world_size > 1"
+        if self.max_seq_len is not None and case.seq_len > self.max_seq_len:
+            return f"{self.name} is limited to seq_len <= {self.max_seq_len} (got {case.seq_len})"
+        return None
+
+    def runs_single_process(self) -> bool:
+        """Distributed implementations that also make sense with one rank return True."""
+        return True
+
+    def prepare(self, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor) -> Callable[[], Tensor]:
+        """Untimed setup (format conversion, compilation, autotuning); returns the timed zero-argument call.
+
+        q, k, v: (B, H, N, D). The call returns the output (B, H, N, D). In mode fwd_bwd q, k, v require
+        grad and the returned output must be differentiable with respect to them.
+        """
+        raise NotImplementedError
+
+    def tf32(self, case: Case) -> bool:
+        """Whether float32 inputs go through TF32 matmuls (looser tolerance, DESIGN.md)."""
+        return False
+
+    def record_extras(self) -> dict[str, object]:
+        """Fields this implementation adds to its record after prepare (e.g. the autotuned config)."""
+        return {}
+
+    def expected_comm_bytes(self, case: Case) -> int | None:
+        """Distributed implementations: total bytes all ranks send, in closed form."""
+        return None
+
+
+_REGISTRY: dict[str, type[Impl]] = {}
+_INSTANCES: dict[str, Impl] = {}
+
+
+def register(cls: type[Impl]) -> type[Impl]:
+    """Class decorator adding an implementation to the registry. Names are unique."""
+    name = getattr(cls, "name", "")
+    if not isinstance(name, str) or not name or not name.replace("_", "").isalnum() or name != name.lower():
+        raise ValueError(f"{cls.__qualname__}: name must be lowercase letters, digits and '_', got {name!r}")
+    previous = _REGISTRY.get(name)
+    if previous is not None and previous is not cls:
+        same_definition = (previous.__module__, previous.__qualname__) == (cls.__module__, cls.__qualname__)
+        if not same_definition:
+            raise ValueError(f"implementation name {name!r} is already registered by "
+                             f"{previous.__module__}.{previous.__qualname__}")
+        _INSTANCES.pop(name, None)  # the same module imported again: the newer class wins
+    _REGISTRY[name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    import impls  # noqa: F401 - registers the built-in implementations
+
+
+def names() -> list[str]:
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Impl:
+    """The implementation registered under `name`. Raises KeyError listing the known names."""
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown implementation {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _REGISTRY[name]()
+    return _INSTANCES[name]
+
+
+def all_impls() -> list[Impl]:
+    return [get(n) for n in names()]

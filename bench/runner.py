@@ -1,0 +1,192 @@
+"""`bench run`: sweep a suite's (case, impl) pairs, each measured in an isolated worker, records to disk.
+
+Isolation: a worker process measures pairs one after another; when one times out or kills its process,
+the runner records it as failed, kills the worker's process group and starts a fresh worker for the next
+pair. Every record is appended to records.jsonl and fsynced as soon as it exists, so a run killed at any
+moment keeps everything measured so far, and `--resume` measures only what is missing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench import registry
+from bench.case import Case, resolve_device
+from bench.console import Reporter, print_summary
+from bench.env import capture
+from bench.errors import BadInput
+from bench.measure import Task
+from bench.records import Record, RunInfo, SuiteInfo
+from bench.store import (
+    RECORDS,
+    RUN_JSON,
+    RecordWriter,
+    create_run_dir,
+    drop_torn_tail,
+    read_records,
+    read_run_info,
+    utc_now,
+    write_json_atomic,
+)
+from bench.suite import Suite, load_suite
+from bench.worker import WorkerProcess
+
+
+@dataclass
+class RunOptions:
+    suite: Path
+    impls: list[str] = field(default_factory=list)  # --impl: restrict to these
+    device: str | None = None  # --device: overrides every case's device
+    out: Path = Path("results")
+    resume: Path | None = None
+    dry_run: bool = False
+
+
+@dataclass
+class Pair:
+    case: Case  # as written in the suite (device may be "auto")
+    impl: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.case.case_id, self.impl)
+
+
+def select_impls(suite: Suite, wanted: list[str]) -> list[str]:
+    if not wanted:
+        return list(suite.impls)
+    known = registry.names()
+    for name in wanted:
+        if name not in known:
+            raise BadInput(f"got {name!r}; known implementations: {', '.join(sorted(known))}", field="--impl")
+    return list(dict.fromkeys(wanted))
+
+
+def _resolved(case: Case, device_override: str | None) -> Case:
+    return case.with_device(resolve_device(device_override or case.device))
+
+
+def _failed_record(pair: Pair, reason: str, started: str) -> Record:
+    return Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(), status="failed",
+                  reason=reason, started_at=started)
+
+
+def run(options: RunOptions, console: Console) -> int:
+    """Run a suite; returns the exit code (0 all ok or skipped, 1 any failed or incorrect)."""
+    suite = load_suite(options.suite)
+    impls = select_impls(suite, options.impls)
+    pairs = [Pair(case, impl) for case in suite.cases for impl in impls]
+    if options.dry_run:
+        _print_plan(console, suite, impls, options.device)
+        return 0
+
+    if options.resume is not None:
+        run_dir, existing = _open_for_resume(options.resume, suite, console)
+    else:
+        run_dir, existing = _create_run(options, suite), []
+    done = {(r.case_id, r.impl) for r in existing}
+    todo = [p for p in pairs if p.key not in done]
+
+    labels = {c.case_id: c.label for c in suite.cases}
+    plugins = [(spec, str(suite.path.parent) if suite.path else None) for spec in suite.plugins]
+    measure = suite.measure.model_dump()
+    reporter = Reporter(len(todo), console)
+    new_records: list[Record] = []
+    worker: WorkerProcess | None = None
+    try:
+        with RecordWriter(run_dir / RECORDS) as writer:
+            for pair in todo:
+                case = _resolved(pair.case, options.device)
+                reporter.start(labels[pair.case.case_id], pair.impl)
+                started = utc_now()
+                if case.world_size > 1:
+                    record = Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(),
+                                    status="skipped", reason="world_size > 1 needs the distributed runner",
+                                    started_at=started)
+                else:
+                    if worker is None:
+                        worker = WorkerProcess(plugins, run_dir / "worker.log")
+                    task = Task(case.params(), pair.case.case_id, pair.case.params(), pair.impl, measure)
+                    outcome = worker.run(task.to_json(), suite.measure.timeout_s)
+                    if outcome.record is not None:
+                        record = Record.model_validate(outcome.record)
+                    else:
+                        record = _failed_record(pair, outcome.failure or "worker failed", started)
+                        worker = None  # it was killed; the next pair gets a fresh one
+                writer.append(record)
+                new_records.append(record)
+                reporter.finish(labels[pair.case.case_id], record)
+    finally:
+        reporter.close()
+        if worker is not None:
+            worker.close()
+
+    info = read_run_info(run_dir)
+    write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json"), "finished_at": utc_now()})
+    all_records = existing + new_records
+    print_summary(console, all_records, labels, impls)
+    console.print(f"results: {run_dir}")
+    return 1 if any(r.status in ("failed", "incorrect") for r in all_records) else 0
+
+
+def _create_run(options: RunOptions, suite: Suite) -> Path:
+    env = capture(backend=_backend(suite, options.device))
+    commit = env["git"]["commit"] or "nogit"
+    run_id, run_dir = create_run_dir(options.out, suite.name, commit)
+    info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=str(options.suite), content=suite.content),
+                   started_at=utc_now(), finished_at=None, env=env, command=sys.argv[1:] or None)
+    write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json"))
+    (run_dir / RECORDS).touch()
+    return run_dir
+
+
+def _backend(suite: Suite, device_override: str | None) -> str:
+    devices = {resolve_device(device_override or c.device) for c in suite.cases}
+    return "cuda" if "cuda" in devices else "cpu"
+
+
+def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
+    info = read_run_info(run_dir)
+    if info.suite.name != suite.name or info.suite.content != suite.content:
+        raise BadInput(f"the run was made from suite {info.suite.name!r} with other content; resume it with the "
+                       "same suite file", file=str(run_dir), field="--resume")
+    records_path = run_dir / RECORDS
+    if records_path.exists():
+        torn = drop_torn_tail(records_path)
+        if torn:
+            console.print(f"[yellow]warning:[/] {records_path}: dropped a torn last line ({torn} bytes); "
+                          "its (case, impl) will be measured again")
+        existing = read_records(records_path).records
+    else:
+        existing = []
+    # Keep one record per pair if an earlier resume raced; the first written wins.
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for r in existing:
+        if (r.case_id, r.impl) not in seen:
+            seen.add((r.case_id, r.impl))
+            unique.append(r)
+    return run_dir, unique
+
+
+def _print_plan(console: Console, suite: Suite, impls: list[str], device: str | None) -> None:
+    table = Table(title=f"suite {suite.name}: {len(suite.cases)} cases x {len(impls)} implementations")
+    table.add_column("#", justify="right")
+    table.add_column("case_id", no_wrap=True)
+    table.add_column("device")
+    for index, case in enumerate(suite.cases):
+        table.add_row(str(index), case.case_id, resolve_device(device or case.device))
+    console.print(table)
+    avail = []
+    for name in impls:
+        impl = registry.get(name)
+        why = impl.unavailable()
+        avail.append(f"{name} ({'available' if why is None else 'unavailable: ' + why})")
+    console.print("implementations: " + "; ".join(avail))
+    console.print(f"{len(suite.cases) * len(impls)} (case, impl) pairs; nothing was run (--dry-run)")
+

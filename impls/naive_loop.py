@@ -1,0 +1,47 @@
+"""`naive_loop`: seed 001's per-query loop, with its masking bug fixed.
+
+The seed fills a zero (B, H, N, N) matrix with the scores inside each query's window and takes a softmax
+over the whole row, so positions outside the window get score 0 and real weight. Here the matrix starts at
+-inf, so they get none. The loop is kept on purpose: it is the baseline the seed measured against. Rows
+whose allowed keys form a contiguous range are sliced exactly as in the seed; other patterns index the
+row's keys from the pattern's CSR view.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bench.registry import Impl, register
+from impls.common import accum_dtype, softmax_scale
+
+
+@register
+class NaiveLoop(Impl):
+    name = "naive_loop"
+    description = "seed 001's per-query Python loop over an (N, N) score matrix, -inf outside the pattern"
+    fwd_bwd = True
+
+    def prepare(self, case, pattern, q, k, v):
+        crow, col = pattern.csr()
+        keys: list[slice | torch.Tensor] = []
+        for i in range(case.seq_len):
+            row = col[crow[i] : crow[i + 1]]
+            if len(row) and int(row[-1]) - int(row[0]) + 1 == len(row):
+                keys.append(slice(int(row[0]), int(row[-1]) + 1))  # the seed's start:end window
+            else:
+                keys.append(row.to(q.device))
+        scale = softmax_scale(case.head_dim)
+        acc = accum_dtype(q.dtype)
+        b, h, n, _ = q.shape
+
+        def call():
+            attn = torch.full((b, h, n, n), -math.inf, dtype=acc, device=q.device)
+            for i in range(n):
+                ks = keys[i]
+                attn[:, :, i, ks] = (q[:, :, i : i + 1, :] @ k[:, :, ks, :].transpose(-2, -1))[:, :, 0].to(acc)
+            attn = torch.softmax(attn * scale, dim=-1).nan_to_num(0.0)  # an empty row is all -inf: zeros
+            return (attn @ v.to(acc)).to(q.dtype)
+
+        return call

@@ -1,0 +1,52 @@
+"""Shared test helpers: run the `bench` command line in a subprocess, write suites into temp dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+def bench_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bench", *args]
+
+
+def run_bench(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None
+              ) -> subprocess.CompletedProcess:
+    """`bench ARGS` in a subprocess with this checkout importable; output captured as text."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "COLUMNS": "200", **(env or {})}
+    return subprocess.run(bench_cmd(*args), cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+
+
+def write_suite(directory: Path, content: dict | str, name: str = "suite.yaml") -> Path:
+    path = directory / name
+    path.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
+    return path
+
+
+def only_run_dir(results: Path) -> Path:
+    runs = [p for p in results.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def faulty_plugin(tmp_path: Path) -> Path:
+    """The planted-fault plugin copied beside the suites a test writes."""
+    target = tmp_path / "faulty.py"
+    target.write_text((PLUGINS / "faulty.py").read_text())
+    return target
