@@ -2,21 +2,38 @@
 
 CUDA: the caching allocator's peak allocated bytes during the call minus what was allocated before it.
 CPU: the worker's resident high-water mark (VmHWM) during the call minus its resident size (VmRSS) before
-it. Linux resets the mark when `5` is written to /proc/self/clear_refs. The worker is started with
-glibc's mmap threshold fixed low (MALLOC_MMAP_THRESHOLD_), so large tensors are mapped and unmapped
-directly and the mark follows them instead of reused heap pages.
+it. Linux resets the mark when `5` is written to /proc/self/clear_refs.
+
+On CPU the resident mark only follows allocations if freed memory leaves the process and new memory is
+touched afresh. glibc's heap keeps freed chunks resident and reuses them, so for the measured call only the
+allocator is switched (`mallopt`) to map every allocation of 64 KiB or more directly and to give freed
+memory back at once, after `malloc_trim(0)` has released what the heap held. Timing runs with glibc's
+usual steady state instead (allocations under 32 MiB reused from the heap, the ceiling glibc's own dynamic
+threshold grows to): mapping every allocation afresh makes each call fault its pages in again, which made
+calls with many temporaries up to 2x slower than in a user's process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-# Environment for worker processes so that the resident mark follows large allocations (see above).
-# Setting the threshold also disables glibc's dynamic threshold, which would otherwise grow past it.
-WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+# glibc mallopt parameters (malloc.h) and the values used while timing and while measuring memory.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+TIMING_MMAP_THRESHOLD = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc: the dynamic ceiling
+TIMING_TRIM_THRESHOLD = 2 * TIMING_MMAP_THRESHOLD  # glibc keeps trim at twice the dynamic mmap threshold
+TRACKING_MMAP_THRESHOLD = 64 * 2**10
+TRACKING_TRIM_THRESHOLD = 0
+
+# Environment for worker processes: glibc's steady state from the first task on, so that no measurement
+# depends on which tasks ran before it in the same worker (fixing the thresholds ends glibc's adaptation).
+WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(TIMING_MMAP_THRESHOLD),
+                     "MALLOC_TRIM_THRESHOLD_": str(TIMING_TRIM_THRESHOLD)}
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -60,19 +77,59 @@ def cpu_peak_available() -> str | None:
     return None
 
 
+def _glibc() -> Any:
+    """The C library when it is glibc (it has mallopt and malloc_trim), else None."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _glibc()
+
+
+def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
+    """Set glibc's mmap and trim thresholds (bytes); False where the C library is not glibc."""
+    if _LIBC is None:
+        return False
+    ok = _LIBC.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap_threshold))
+    return bool(ok and _LIBC.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim_threshold)))
+
+
+@contextlib.contextmanager
+def tracking_allocator() -> Iterator[bool]:
+    """Inside: every allocation of 64 KiB or more is mapped afresh and freed memory leaves the process.
+
+    Yields whether the switch was possible; on leaving, the timing thresholds are restored.
+    """
+    switched = set_malloc_thresholds(TRACKING_MMAP_THRESHOLD, TRACKING_TRIM_THRESHOLD)
+    try:
+        gc.collect()
+        if switched:
+            _LIBC.malloc_trim(ctypes.c_size_t(0))  # release the resident free chunks timing left behind
+        yield switched
+    finally:
+        if switched:
+            set_malloc_thresholds(TIMING_MMAP_THRESHOLD, TIMING_TRIM_THRESHOLD)
+
+
 def measure_cpu_peak(fn: Callable[[], Any]) -> dict[str, Any]:
     """Resident high-water mark of one call of fn minus the resident size before it."""
     why_not = cpu_peak_available()
     if why_not:
         return {"peak_bytes": None, "method": "rss_hwm", "note": why_not}
-    gc.collect()
-    before = rss_bytes()
-    reset_hwm()
-    result = fn()
-    peak = hwm_bytes()
-    del result
+    with tracking_allocator() as switched:
+        before = rss_bytes()
+        reset_hwm()
+        result = fn()
+        peak = hwm_bytes()
+        del result
     assert before is not None and peak is not None
-    return {"peak_bytes": max(0, peak - before), "method": "rss_hwm", "note": None}
+    note = None if switched else "C library is not glibc: freed heap memory may be reused unseen (a lower bound)"
+    return {"peak_bytes": max(0, peak - before), "method": "rss_hwm", "note": note}
 
 
 def measure_cuda_peak(fn: Callable[[], Any], torch_module: Any = None) -> dict[str, Any]:

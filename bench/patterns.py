@@ -36,21 +36,34 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
-def _seed_key(seed: int) -> int:
-    """Mix the seed once in Python so that nearby seeds give unrelated patterns."""
+def _seed_key(seed: int | Tensor) -> int | Tensor:
+    """Mix the seed once so that nearby seeds give unrelated patterns (an int, or a 0-dim int64 tensor).
+
+    Out-of-place ops only: compiled FlexAttention mask_mods cannot lower in-place ones.
+    """
     h = seed & _MASK32
-    h ^= h >> 16
+    h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _MASK32
-    h ^= h >> 13
+    h = h ^ (h >> 13)
     h = (h * 0xC2B2AE35) & _MASK32
     return h ^ (h >> 16)
 
 
-def hash_keep(seed_key: int, a: Tensor, b: Tensor, threshold: int) -> Tensor:
+def hash_keep(seed_key: int | Tensor, a: Tensor, b: Tensor, threshold: int | Tensor) -> Tensor:
     """True where hash(seed, a, b) < threshold, a uniform draw with probability threshold / 2**32."""
     h = _fmix32(((a * 0x9E3779B1) ^ seed_key) & _MASK32)
     h = _fmix32((h ^ ((b * 0x85EBCA77) & _MASK32)) & _MASK32)
     return h < threshold
+
+
+def keep_threshold(p: float | Tensor) -> int | Tensor:
+    """round(p * 2**32): the `hash_keep` threshold for probability p.
+
+    p may also be a 0-dim float64 tensor (FlexAttention's mask_mod reads pattern fields from tensors so that
+    compiled graphs do not bake them in); both round half to even and p * 2**32 is exact in float64.
+    """
+    scaled = p * 2**32
+    return torch.round(scaled) if isinstance(scaled, Tensor) else round(scaled)
 
 
 @dataclass(frozen=True)
@@ -383,7 +396,7 @@ class BlockRandom(Pattern):
 
     def allowed(self, i: Tensor, j: Tensor) -> Tensor:
         bi, bj = i // self.block_size, j // self.block_size
-        threshold = round(self.p * 2**32)  # type: ignore[operator]
+        threshold = keep_threshold(self.p)  # type: ignore[arg-type]
         return (bi == bj) | hash_keep(_seed_key(self.seed), bi, bj, threshold)
 
     def _candidate_blocks(self, bs: int) -> Tensor:
@@ -406,7 +419,7 @@ class BigBird(Pattern):
         g = self.global_tokens
         local = ((i - j).abs() <= self.window // 2) | (i < g) | (j < g)
         bi, bj = i // self.block_size, j // self.block_size
-        threshold = round(self.p * 2**32)  # type: ignore[operator]
+        threshold = keep_threshold(self.p)  # type: ignore[arg-type]
         return local | (bi == bj) | hash_keep(_seed_key(self.seed), bi, bj, threshold)
 
     def _candidate_blocks(self, bs: int) -> Tensor:
@@ -422,7 +435,7 @@ class Random(Pattern):
     description = "each pair kept with probability p; the diagonal always kept"
 
     def allowed(self, i: Tensor, j: Tensor) -> Tensor:
-        threshold = round(self.p * 2**32)  # type: ignore[operator]
+        threshold = keep_threshold(self.p)  # type: ignore[arg-type]
         return (i == j) | hash_keep(_seed_key(self.seed), i, j, threshold)
 
 

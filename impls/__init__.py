@@ -4,4 +4,4 @@ Optional dependencies are imported lazily inside the implementations, so a missi
 implementation report itself unavailable instead of breaking `import impls`.
 """
 
-from impls import dense, naive_loop, sdpa  # noqa: F401
+from impls import blocked, csr, dense, flex, naive_loop, sdpa  # noqa: F401

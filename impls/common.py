@@ -32,3 +32,14 @@ def masked_softmax_(scores: Tensor, mask: Tensor) -> Tensor:
     scores.sub_(peak).exp_()
     denom = scores.sum(dim=-1, keepdim=True)
     return scores.div_(denom.clamp_min_(torch.finfo(scores.dtype).tiny))
+
+
+def fold_heads(x: Tensor) -> Tensor:
+    """(B, H, N, D) -> (B*H, N, D), a view when x is contiguous."""
+    b, h, n, d = x.shape
+    return x.reshape(b * h, n, d)
+
+
+def unfold_heads(x: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """(B*H, N, D) -> (B, H, N, D) of `shape`."""
+    return x.reshape(shape)

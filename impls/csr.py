@@ -1,0 +1,156 @@
+"""`csr`: attention over torch sparse CSR tensors, O(nnz) memory, never an (N, N) buffer.
+
+Scores exist only at the pattern's allowed pairs: `torch.sparse.sampled_addmm` evaluates Q K^T at the CSR
+positions of the pattern's `csr()` view. Torch has no CSR softmax on CPU, so the row softmax is ours,
+vectorised over rows: the row maxima by one `scatter_reduce`, broadcast back with `repeat_interleave`
+(rows are contiguous in CSR), then exp. The row sums come out of the sparse x dense product for free:
+V gets an extra column of ones, so E [V, 1] holds both the unnormalised output and each row's sum.
+
+Backward is a custom autograd.Function with the same sparse kernels (the usual softmax-attention
+gradients, every product at the pattern's pairs only):
+dV = P^T dO, dP = (dO V^T) sampled at the pattern, dS = P * (dP - rowsum(dO * O)), dQ = dS K, dK = dS^T Q.
+The transposed pattern (for P^T and dS^T) is a fixed permutation of the CSR values, found in prepare.
+
+Heads are processed one at a time, sharing the pattern's index arrays, so the transient memory is one
+head's nnz values and the index arrays are stored once.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from bench.registry import Impl, register
+from impls.common import accum_dtype, fold_heads, softmax_scale, unfold_heads
+
+# Torch warns once per process that CSR support is beta; the conformance tests are what we rely on.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+
+
+@dataclass(frozen=True)
+class CsrLayout:
+    """The pattern's CSR index arrays and their transpose, shared by every head."""
+
+    n: int
+    crow: Tensor  # int64 (N+1,)
+    col: Tensor  # int64 (nnz,)
+    row_lengths: Tensor  # int64 (N,) allowed keys per query row
+    row: Tensor  # int64 (nnz,) the query row of each entry
+    t_crow: Tensor  # int64 (N+1,) CSR of the transposed pattern
+    t_col: Tensor  # int64 (nnz,)
+    t_perm: Tensor  # int64 (nnz,): values of the transpose = values[t_perm]
+
+    @property
+    def nnz(self) -> int:
+        return self.col.numel()
+
+    @classmethod
+    def of(cls, crow: Tensor, col: Tensor, n: int, device: torch.device) -> CsrLayout:
+        lengths = crow.diff()
+        row = torch.repeat_interleave(torch.arange(n), lengths)
+        # Stable sort by column keeps rows increasing inside each column: a valid CSR of the transpose.
+        t_perm = torch.sort(col, stable=True).indices
+        t_crow = torch.zeros(n + 1, dtype=torch.int64)
+        t_crow[1:] = torch.cumsum(torch.bincount(col, minlength=n), 0)
+        tensors = (crow, col, lengths, row, t_crow, row[t_perm], t_perm)
+        return cls(n, *(t.to(device=device, dtype=torch.int64) for t in tensors))
+
+    def matrix(self, values: Tensor, transposed: bool = False) -> Tensor:
+        """The (N, N) CSR matrix holding `values` (nnz,) at the pattern's (or its transpose's) pairs."""
+        crow, col = (self.t_crow, self.t_col) if transposed else (self.crow, self.col)
+        if transposed:
+            values = values[self.t_perm]
+        return torch.sparse_csr_tensor(crow, col, values, (self.n, self.n), check_invariants=False)
+
+    def sampled(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
+        """Values (nnz,) of scale * a @ b.T at the pattern's pairs; a, b: (N, D)."""
+        pattern = self.matrix(a.new_zeros(self.nnz))
+        return torch.sparse.sampled_addmm(pattern, a, b.T, beta=0.0, alpha=scale).values()
+
+    def expand_rows(self, per_row: Tensor) -> Tensor:
+        """(N,) -> (nnz,): each row's value repeated over its entries."""
+        return per_row.repeat_interleave(self.row_lengths, output_size=self.nnz)
+
+    def row_max(self, values: Tensor) -> Tensor:
+        """(nnz,) -> (N,): the maximum of each row; 0 for a row without entries."""
+        peak = values.new_full((self.n,), -math.inf).scatter_reduce_(0, self.row, values, "amax")
+        return peak.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+
+
+def _head_forward(layout: CsrLayout, q: Tensor, k: Tensor, v: Tensor, scale: float
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """One head: q, k, v (N, D) -> (output (N, D), exp'd scores (nnz,), row sums (N,))."""
+    scores = layout.sampled(q, k, scale)  # (nnz,)
+    expd = scores.sub_(layout.expand_rows(layout.row_max(scores))).exp_()
+    # [V, 1]: the last output column is each row's sum of exp'd scores
+    v1 = torch.cat([v, v.new_ones(v.shape[0], 1)], dim=1)  # (N, D + 1)
+    both = layout.matrix(expd) @ v1  # (N, D + 1)
+    sums = both[:, -1].clone()
+    out = both[:, :-1] / sums.clamp_min(torch.finfo(sums.dtype).tiny)[:, None]  # an empty row: 0 / tiny = 0
+    return out, expd, sums
+
+
+class CsrAttention(torch.autograd.Function):
+    """Differentiable CSR attention over (BH, N, D) float inputs."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: CsrLayout, scale: float) -> Tensor:
+        outs, expds, sums = [], [], []
+        for qh, kh, vh in zip(q, k, v, strict=True):
+            out, expd, s = _head_forward(layout, qh, kh, vh, scale)
+            outs.append(out)
+            if ctx.needs_input_grad[:3] != (False, False, False):
+                expds.append(expd)
+                sums.append(s)
+        out = torch.stack(outs)
+        if expds:
+            ctx.save_for_backward(q, k, v, out, torch.stack(expds), torch.stack(sums))
+        ctx.layout, ctx.scale = layout, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, expds, sums = ctx.saved_tensors
+        layout: CsrLayout = ctx.layout
+        scale: float = ctx.scale
+        inv_sums = torch.where(sums > 0, 1.0 / sums, torch.zeros_like(sums))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for h in range(q.shape[0]):
+            probs = expds[h] * layout.expand_rows(inv_sums[h])  # (nnz,)
+            d_out = grad_out[h]
+            dv[h] = layout.matrix(probs, transposed=True) @ d_out
+            d_probs = layout.sampled(d_out, v[h], 1.0)  # (nnz,)
+            delta = (d_out * out[h]).sum(dim=1)  # (N,) = rowsum(P * dP)
+            d_scores = probs.mul_(d_probs.sub_(layout.expand_rows(delta))).mul_(scale)
+            dq[h] = layout.matrix(d_scores) @ k[h]
+            dk[h] = layout.matrix(d_scores, transposed=True) @ q[h]
+        return dq, dk, dv, None, None
+
+
+@register
+class Csr(Impl):
+    name = "csr"
+    description = "torch sparse CSR: sampled_addmm scores at allowed pairs, our row softmax, CSR x dense"
+    fwd_bwd = True
+
+    def prepare(self, case, pattern, q, k, v):
+        crow, col = pattern.csr()
+        layout = CsrLayout.of(crow, col, case.seq_len, q.device)
+        scale = softmax_scale(case.head_dim)
+        acc = accum_dtype(q.dtype)  # CSR kernels on CPU take float32/float64 only
+        self._nnz = layout.nnz
+
+        def call():
+            folded = [fold_heads(t).to(acc) for t in (q, k, v)]  # (BH, N, D)
+            out = CsrAttention.apply(*folded, layout, scale)
+            return unfold_heads(out, q.shape).to(q.dtype)
+
+        return call
+
+    def record_extras(self) -> dict[str, object]:
+        return {"nnz_per_head": self._nnz}

@@ -1,0 +1,125 @@
+"""`flex`: PyTorch FlexAttention under torch.compile, the peer users would pick instead of our kernels.
+
+The BlockMask comes from the pattern's block-sparse view (`block_sparse(bs)`: which key blocks each query
+block needs, and which of them are fully allowed), and its `mask_mod` is the pattern's own predicate
+`allowed(i, j)`, applied inside partially allowed blocks. Both are built in prepare, and the first call
+compiles, so BlockMask building and compilation land in `setup_s`.
+
+Compiled graphs are reused across shapes and parameters: flex_attention is compiled once per process with
+dynamic shapes, and the predicate reads the pattern's fields (window, density, seed, ...) from 0-dim
+tensors rather than Python numbers, so they are graph inputs, not constants. One graph then serves every
+size and parameter value of a pattern kind, per dtype; compiling anew for each (pattern, N) would cost
+seconds each.
+
+FlexAttention has no backward on CPU (torch raises NotImplementedError for CPU inputs that require grad),
+so mode fwd_bwd is skipped on CPU with that reason; on CUDA it is differentiable.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from bench.registry import Impl, register
+from impls.common import softmax_scale
+
+# Compiled graphs kept per compiled function: one per (pattern kind, dtype, device) at least; torch's
+# default of 8 would fall back to eager (uncompiled, O(N^2) memory) after the eighth pattern kind.
+RECOMPILE_LIMIT = 128
+
+CPU_NO_BACKWARD = ("FlexAttention has no backward on CPU in this torch (flex_attention raises "
+                   "NotImplementedError for CPU inputs that require grad)")
+
+_compiled: Any = None
+
+
+def compiled_flex() -> Any:
+    """flex_attention under torch.compile with dynamic shapes, one per process."""
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT * 4)
+        _compiled = torch.compile(flex_attention, dynamic=True)
+    return _compiled
+
+
+def tensor_fields(pattern, device: torch.device):
+    """A copy of `pattern` whose fields are 0-dim tensors (density float64, the rest int64).
+
+    Its `allowed` is the same predicate (the predicates are elementwise torch ops, so they take tensor
+    fields as they take ints), but under torch.compile the values become graph inputs.
+    """
+    clone = copy.copy(pattern)
+    clone._cache = {}
+    for field in pattern.fields:
+        attr = "p" if field == "density" else field
+        dtype = torch.float64 if attr == "p" else torch.int64
+        setattr(clone, attr, torch.tensor(getattr(pattern, attr), dtype=dtype, device=device))
+    return clone
+
+
+def block_mask_for(pattern, block_size: int, device: torch.device):
+    """FlexAttention BlockMask of `pattern`: partial and full key blocks per query block, and mask_mod."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    sparse = pattern.block_sparse(block_size)
+    nb = sparse.num_blocks
+    slot = torch.arange(sparse.kv_indices.shape[1])[None, :]
+    used = slot < sparse.kv_counts[:, None].to(torch.int64)  # (nb, max_kv)
+
+    def compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts (1, 1, nb), indices (1, 1, nb, nb)) of the kept key blocks, in increasing order."""
+        counts = keep.sum(dim=1).to(torch.int32)
+        indices = torch.zeros(nb, nb, dtype=torch.int32)
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept slots first, in order
+        width = sparse.kv_indices.shape[1]
+        if width:
+            indices[:, :width] = torch.gather(sparse.kv_indices, 1, order).clamp(min=0)
+        return counts.view(1, 1, nb).to(device), indices.view(1, 1, nb, nb).to(device)
+
+    partial_counts, partial_indices = compact(used & ~sparse.full)
+    full_counts, full_indices = compact(used & sparse.full)
+    params = tensor_fields(pattern, device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return params.allowed(q_idx, kv_idx)
+
+    n = pattern.seq_len
+    return BlockMask.from_kv_blocks(partial_counts, partial_indices, full_counts, full_indices,
+                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(n, n))
+
+
+@register
+class Flex(Impl):
+    name = "flex"
+    description = "FlexAttention (torch.compile) with a BlockMask from the pattern's blocks and predicate"
+    fwd_bwd = True  # on CUDA; CPU fwd_bwd is unsupported (see unsupported)
+
+    def unavailable(self) -> str | None:
+        try:
+            import torch.nn.attention.flex_attention
+        except ImportError as exc:
+            return f"torch {torch.__version__} has no FlexAttention ({exc})"
+        return None
+
+    def unsupported(self, case) -> str | None:
+        reason = super().unsupported(case)
+        if reason is None and case.mode == "fwd_bwd" and case.device == "cpu":
+            reason = CPU_NO_BACKWARD
+        return reason
+
+    def prepare(self, case, pattern, q, k, v):
+        block_mask = block_mask_for(pattern, case.block_size, q.device)
+        flex = compiled_flex()
+        scale = softmax_scale(case.head_dim)
+        self._extras = {"block_size": case.block_size, "compiled": "torch.compile(dynamic=True)"}
+        return lambda: flex(q, k, v, block_mask=block_mask, scale=scale)
+
+    def record_extras(self) -> dict[str, object]:
+        return dict(self._extras)
