@@ -1,0 +1,157 @@
+"""Peak memory: the CPU resident-mark method, the CUDA path against a fake torch.cuda, and the laws it must
+show in real records (dense grows as N^2 and holds the scores; csr and blocked grow as nnz)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from bench import memory
+from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
+
+MiB = 2**20
+SLACK = MiB  # resident pages the interpreter itself frees or touches during a call
+
+
+def _touch(nbytes: int) -> torch.Tensor:
+    return torch.ones(nbytes // 4, dtype=torch.float32)  # ones: every page written, so resident
+
+
+@pytest.mark.skipif(memory.cpu_peak_available() is not None, reason="needs /proc/self/clear_refs (Linux)")
+class TestCpuPeak:
+    def test_counts_what_the_call_allocates(self):
+        result = memory.measure_cpu_peak(lambda: _touch(64 * MiB))
+        assert result["method"] == "rss_hwm"
+        assert 64 * MiB - SLACK <= result["peak_bytes"] < 64 * MiB + 16 * MiB
+
+    def test_counts_memory_freed_inside_the_call(self):
+        def transient() -> None:
+            for _ in range(3):
+                _touch(48 * MiB)  # each freed before the next: the peak is one of them
+
+        peak = memory.measure_cpu_peak(transient)["peak_bytes"]
+        assert 48 * MiB - SLACK <= peak < 2 * 48 * MiB
+
+    def test_excludes_what_existed_before(self):
+        kept = _touch(64 * MiB)
+        peak = memory.measure_cpu_peak(lambda: kept.sum())["peak_bytes"]
+        assert peak < 8 * MiB
+
+    def test_heap_chunks_freed_before_the_call_do_not_hide_its_memory(self):
+        # Under the timing thresholds 4 MiB chunks live on glibc's heap: freed, they stay resident and
+        # the next allocations reuse them without growing the resident set. The measured call must
+        # still see its 8 x 4 MiB.
+        for _ in range(3):
+            chunks = [_touch(4 * MiB) for _ in range(8)]
+            del chunks
+        peak = memory.measure_cpu_peak(lambda: [_touch(4 * MiB) for _ in range(8)])["peak_bytes"]
+        assert peak >= 8 * 4 * MiB - SLACK
+
+
+class FakeCuda:
+    """Enough of torch.cuda's memory statistics to drive measure_cuda_peak, logging each call."""
+
+    def __init__(self, allocated: int) -> None:
+        self.allocated = self.peak = allocated
+        self.log: list[str] = []
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+    def memory_allocated(self) -> int:
+        self.log.append("memory_allocated")
+        return self.allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        self.log.append("reset_peak_memory_stats")
+        self.peak = self.allocated
+
+    def max_memory_allocated(self) -> int:
+        self.log.append("max_memory_allocated")
+        return self.peak
+
+
+class FakeTorch:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+
+
+def test_cuda_peak_is_the_call_peak_minus_what_was_allocated_before():
+    cuda = FakeCuda(allocated=1000)
+    cuda.alloc(500)  # an earlier peak the reset must forget
+    cuda.free(500)
+
+    def call() -> str:
+        cuda.log.append("call")
+        cuda.alloc(300)
+        cuda.alloc(200)  # peak: 1000 + 500
+        cuda.free(300)
+        return "output"
+
+    result = memory.measure_cuda_peak(call, torch_module=FakeTorch(cuda))
+    assert result == {"peak_bytes": 500, "method": "cuda_max_memory_allocated", "note": None}
+    # Synchronised before reading the baseline and after the call, the peak reset before the call.
+    assert cuda.log == ["synchronize", "memory_allocated", "reset_peak_memory_stats", "call", "synchronize",
+                        "max_memory_allocated"]
+
+
+def test_measure_peak_sends_cuda_devices_to_the_cuda_path(monkeypatch):
+    cuda = FakeCuda(allocated=0)
+    for name in ("synchronize", "memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    result = memory.measure_peak(lambda: cuda.alloc(4096), "cuda:0")
+    assert result["peak_bytes"] == 4096 and result["method"] == "cuda_max_memory_allocated"
+    assert "reset_peak_memory_stats" in cuda.log
+
+
+# --- the laws, in records written by `bench run` -------------------------------------------------------
+
+SEQ_LENS = [1024, 2048, 4096]
+HEADS = 2
+
+
+@pytest.fixture(scope="module")
+def peaks(tmp_path_factory) -> dict[str, dict[int, int]]:
+    """peak_bytes by impl and seq_len from one `bench run`: local window 64, so nnz grows as N."""
+    tmp = tmp_path_factory.mktemp("memory")
+    suite = write_suite(tmp, {
+        "name": "memory-laws", "impls": ["dense", "csr", "blocked"],
+        "defaults": {"heads": HEADS, "head_dim": 32, "pattern": "local", "window": 64, "device": "cpu"},
+        "sweep": {"seq_len": SEQ_LENS},
+        "measure": {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 300, "check": False},
+    })
+    proc = run_bench("run", str(suite), "--out", str(tmp / "results"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out: dict[str, dict[int, int]] = defaultdict(dict)
+    for r in read_jsonl(only_run_dir(tmp / "results") / "records.jsonl"):
+        assert r["status"] == "ok", json.dumps(r)[:500]
+        assert r["memory"]["method"] == "rss_hwm" and r["memory"]["note"] is None
+        out[r["impl"]][r["params"]["seq_len"]] = r["memory"]["peak_bytes"]
+    return out
+
+
+def test_dense_peak_holds_the_score_matrix_and_grows_as_n_squared(peaks):
+    dense = peaks["dense"]
+    for n in SEQ_LENS:
+        assert dense[n] >= HEADS * n * n * 4, f"N={n}: {dense[n]} bytes < the float32 scores"
+    for small, big in itertools.pairwise(SEQ_LENS):
+        assert 3.3 <= dense[big] / dense[small] <= 4.7, (small, big, dense)
+
+
+@pytest.mark.parametrize("impl", ["csr", "blocked"])
+def test_sparse_peaks_grow_as_nnz(peaks, impl):
+    sparse, dense = peaks[impl], peaks["dense"]
+    for small, big in itertools.pairwise(SEQ_LENS):  # nnz doubles with N at a fixed window
+        assert 1.5 <= sparse[big] / sparse[small] <= 2.6, (impl, small, big, sparse)
+    assert sparse[4096] * 8 < dense[4096], (impl, sparse, dense)
