@@ -11,8 +11,8 @@ gradients, every product at the pattern's pairs only):
 dV = P^T dO, dP = (dO V^T) sampled at the pattern, dS = P * (dP - rowsum(dO * O)), dQ = dS K, dK = dS^T Q.
 The transposed pattern (for P^T and dS^T) is a fixed permutation of the CSR values, found in prepare.
 
-Heads are processed one at a time, sharing the pattern's index arrays, so the transient memory is one
-head's nnz values and the index arrays are stored once.
+Heads are independent steps sharing the pattern's index arrays (stored once); on CPU they run side by
+side on threads (`impls.common.run_steps`), so the transient memory is a few heads' nnz values.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from bench.registry import Impl, register
-from impls.common import accum_dtype, fold_heads, softmax_scale, unfold_heads
+from impls.common import accum_dtype, fold_heads, run_steps, softmax_scale, unfold_heads
 
 # Torch warns once per process that CSR support is beta; the conformance tests are what we rely on.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -99,16 +99,12 @@ class CsrAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: CsrLayout, scale: float) -> Tensor:
-        outs, expds, sums = [], [], []
-        for qh, kh, vh in zip(q, k, v, strict=True):
-            out, expd, s = _head_forward(layout, qh, kh, vh, scale)
-            outs.append(out)
-            if ctx.needs_input_grad[:3] != (False, False, False):
-                expds.append(expd)
-                sums.append(s)
-        out = torch.stack(outs)
-        if expds:
-            ctx.save_for_backward(q, k, v, out, torch.stack(expds), torch.stack(sums))
+        heads = run_steps([lambda h=h: _head_forward(layout, q[h], k[h], v[h], scale) for h in range(q.shape[0])],
+                          q.device)
+        out = torch.stack([o for o, _, _ in heads])
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, out, torch.stack([e for _, e, _ in heads]),
+                                  torch.stack([s for _, _, s in heads]))
         ctx.layout, ctx.scale = layout, scale
         return out
 
@@ -120,7 +116,8 @@ class CsrAttention(torch.autograd.Function):
         scale: float = ctx.scale
         inv_sums = torch.where(sums > 0, 1.0 / sums, torch.zeros_like(sums))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for h in range(q.shape[0]):
+
+        def head(h: int) -> None:
             probs = expds[h] * layout.expand_rows(inv_sums[h])  # (nnz,)
             d_out = grad_out[h]
             dv[h] = layout.matrix(probs, transposed=True) @ d_out
@@ -129,6 +126,8 @@ class CsrAttention(torch.autograd.Function):
             d_scores = probs.mul_(d_probs.sub_(layout.expand_rows(delta))).mul_(scale)
             dq[h] = layout.matrix(d_scores) @ k[h]
             dk[h] = layout.matrix(d_scores, transposed=True) @ q[h]
+
+        run_steps([lambda h=h: head(h) for h in range(q.shape[0])], q.device)
         return dq, dk, dv, None, None
 
 

@@ -8,15 +8,20 @@ a max pass, then exp, sum and normalise); no online rescaling is needed.
 
 Without autograd each step writes into one preallocated output; with it, steps' outputs are
 concatenated, and gradients flow back through the window views and the gathers.
+
+Steps are independent, so on CPU they run side by side on threads (`impls.common.run_steps`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from impls.blocked.plan import BandPlan, BiasPiece, GatherPlan
+from impls.blocked.plan import BandPlan, BiasPiece, GatherPlan, GatherStep
+from impls.common import run_steps
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -60,8 +65,12 @@ def _windows(x: Tensor, plan: BandPlan) -> Tensor:
 
 
 def _band_steps(plan: BandPlan, bh: int) -> list[tuple[int, int]]:
-    """Ranges [g0, g1) of windows per step: whole heads when one fits, else parts of one head."""
-    nb, per = plan.n_blocks, plan.blocks_per_step
+    """Ranges [g0, g1) of windows per step: whole heads when one fits, else parts of one head.
+
+    Steps are no larger than STEP_BYTES allows, and small enough to give each thread two of them.
+    """
+    nb = plan.n_blocks
+    per = min(plan.blocks_per_step, max(1, math.ceil(bh * nb / (2 * torch.get_num_threads()))))
     if per >= nb:
         heads = per // nb
         return [(h * nb, min(bh, h + heads) * nb) for h in range(0, bh, heads)]
@@ -75,16 +84,18 @@ def band_attention(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor, differentiab
     qb = _pad_rows(q, nb * bs).reshape(bh * nb, bs, d)
     kw, vw = _windows(k, plan), _windows(v, plan)
     out = None if differentiable else q.new_empty(bh * nb, bs, d)
-    outs = []
-    for g0, g1 in _band_steps(plan, bh):
+
+    def step(g0: int, g1: int) -> Tensor:
         scores = _scores(qb[g0:g1], kw[g0:g1], plan.scale)  # (G, bs, span)
         if g1 - g0 >= nb:  # whole heads: the pieces broadcast over them
             _add_pieces(scores.view(-1, nb, bs, span), plan.pieces, 0, nb)
         else:
             r0 = g0 % nb
             _add_pieces(scores.view(1, g1 - g0, bs, span), plan.pieces, r0, r0 + g1 - g0)
-        outs.append(_softmax_times(scores, vw[g0:g1], None if out is None else out[g0:g1]))
-    result = torch.cat(outs) if out is None else out
+        return _softmax_times(scores, vw[g0:g1], None if out is None else out[g0:g1])
+
+    outs = run_steps([lambda g=g: step(*g) for g in _band_steps(plan, bh)], q.device)
+    result = torch.cat(outs) if out is None else out  # type: ignore[arg-type]
     return result.view(bh, nb * bs, d)[:, :n]
 
 
@@ -94,30 +105,31 @@ def gather_attention(plan: GatherPlan, q: Tensor, k: Tensor, v: Tensor, differen
     bs, nb = plan.block, plan.n_blocks
     qb, kb, vb = (_pad_rows(t, nb * bs).view(bh, nb, bs, d) for t in (q, k, v))
     out = None if differentiable else q.new_empty(bh, nb, bs, d)
-    per_step = []
-    for step in plan.steps:
-        r = len(step.rows)
-        parts = []
-        for h0 in range(0, bh, step.heads_per_step):
-            h1 = min(bh, h0 + step.heads_per_step)
-            hg = h1 - h0
-            if step.keys == 0:  # no allowed key: zeros, still attached to q so that autograd sees them
-                block_out = qb[h0:h1, step.rows].mul(0.0)
-            else:
-                qs = qb[h0:h1, step.rows].reshape(hg * r, bs, d)
-                ks = kb[h0:h1][:, step.kv].reshape(hg * r, step.keys, d)  # (hg, R, c, bs, D) gathered
-                vs = vb[h0:h1][:, step.kv].reshape(hg * r, step.keys, d)
-                scores = _scores(qs, ks, plan.scale)
-                _add_pieces(scores.view(hg, r, bs, step.keys), step.pieces, 0, r)
-                block_out = _softmax_times(scores, vs, None).view(hg, r, bs, d)
-            if out is None:
-                parts.append(block_out)
-            else:
-                out[h0:h1].index_copy_(1, step.rows, block_out)
+
+    def step(s: GatherStep, h0: int, h1: int) -> Tensor | None:
+        r, hg = len(s.rows), h1 - h0
+        if s.keys == 0:  # no allowed key: zeros, still attached to q so that autograd sees them
+            block_out = qb[h0:h1, s.rows].mul(0.0)
+        else:
+            qs = qb[h0:h1, s.rows].reshape(hg * r, bs, d)
+            ks = kb[h0:h1][:, s.kv].reshape(hg * r, s.keys, d)  # (hg, R, c, bs, D) gathered
+            vs = vb[h0:h1][:, s.kv].reshape(hg * r, s.keys, d)
+            scores = _scores(qs, ks, plan.scale)
+            _add_pieces(scores.view(hg, r, bs, s.keys), s.pieces, 0, r)
+            block_out = _softmax_times(scores, vs, None).view(hg, r, bs, d)
         if out is None:
-            per_step.append(torch.cat(parts))  # (BH, R, bs, D)
+            return block_out
+        out[h0:h1].index_copy_(1, s.rows, block_out)  # disjoint (heads, blocks) per step
+        return None
+
+    units = [(s, h0, min(bh, h0 + s.heads_per_step)) for s in plan.steps for h0 in range(0, bh, s.heads_per_step)]
+    results = run_steps([lambda u=u: step(*u) for u in units], q.device)
     if out is None:
-        out = torch.cat(per_step, dim=1)[:, plan.inverse_order]
+        per_step: list[list[Tensor]] = [[] for _ in plan.steps]
+        index = {id(s): i for i, s in enumerate(plan.steps)}
+        for (s, _, _), result in zip(units, results, strict=True):
+            per_step[index[id(s)]].append(result)  # type: ignore[arg-type]
+        out = torch.cat([torch.cat(parts) for parts in per_step], dim=1)[:, plan.inverse_order]
     return out.view(bh, nb * bs, d)[:, :n]
 
 
