@@ -68,15 +68,17 @@ def run_steps(steps: list[Callable[[], T]], device: torch.device) -> list[T]:
         return [step() for step in steps]
     global _pool, _pool_threads
     if _pool is None or _pool_threads != threads:
-        _pool, _pool_threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="impl-step"), threads
+        # OpenMP's thread count is per thread: each pool thread sets its own to 1 once, for good.
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="impl-step",
+                                   initializer=torch.set_num_threads, initargs=(1,))
+        _pool_threads = threads
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run(step: Callable[[], T]) -> T:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return step()
 
-    torch.set_num_threads(1)  # process-wide: each step single-threaded while they run side by side
     try:
         return list(_pool.map(run, steps))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # the pool threads' setting is also the default of threads made later

@@ -98,7 +98,7 @@ def block_mask_for(pattern, block_size: int, device: torch.device):
 @register
 class Flex(Impl):
     name = "flex"
-    description = "FlexAttention (torch.compile) with a BlockMask from the pattern's blocks and predicate"
+    description = "FlexAttention (torch.compile), BlockMask from the pattern's blocks and predicate; no CPU backward"
     fwd_bwd = True  # on CUDA; CPU fwd_bwd is unsupported (see unsupported)
 
     def unavailable(self) -> str | None:

@@ -45,9 +45,15 @@ def _add_pieces(scores: Tensor, pieces: list[BiasPiece], s0: int, s1: int) -> No
 
 
 def _softmax_times(scores: Tensor, v: Tensor, out: Tensor | None) -> Tensor:
-    probs = torch.softmax(scores, dim=-1)
-    del scores
-    return torch.bmm(probs, v) if out is None else torch.bmm(probs, v, out=out)
+    """softmax(scores) @ v; without autograd (`out` given) the softmax overwrites the scores.
+
+    In place halves a step's working set; torch's CPU softmax reads each row whole (max, then exp and
+    sum) before it writes it, so the aliasing is safe there (tests compare both paths with the oracle).
+    """
+    if out is None:
+        return torch.bmm(torch.softmax(scores, dim=-1), v)
+    in_place = scores if scores.device.type == "cpu" else None
+    return torch.bmm(torch.softmax(scores, dim=-1, out=in_place), v, out=out)
 
 
 def _windows(x: Tensor, plan: BandPlan) -> Tensor:
