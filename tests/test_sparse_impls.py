@@ -71,3 +71,25 @@ def test_rows_without_keys_are_zero_with_zero_gradient():
         assert torch.equal(out[:, :, ::3], torch.zeros_like(out[:, :, ::3]))
         (dq,) = torch.autograd.grad(out.sum(), (q,))
         assert torch.equal(dq[:, :, ::3], torch.zeros_like(dq[:, :, ::3]))
+
+
+def test_run_steps_keeps_order_modes_and_single_threaded_steps():
+    from impls.common import run_steps
+
+    threads = torch.get_num_threads()
+    cpu = torch.device("cpu")
+
+    def probe(i: int):
+        return i, torch.get_num_threads(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    steps = [lambda i=i: probe(i) for i in range(6)]
+    with torch.no_grad():
+        results = run_steps(steps, cpu)
+    assert [r[0] for r in results] == list(range(6))
+    assert all(r[2] is False for r in results)  # the caller's no_grad reached the threads
+    if threads > 1:
+        assert {r[1] for r in results} == {1}  # side by side, each single-threaded
+    with torch.inference_mode():
+        assert all(r[3] for r in run_steps(steps, cpu))
+    assert all(r[2] for r in run_steps(steps, cpu))
+    assert torch.get_num_threads() == threads
