@@ -168,6 +168,7 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) ->
         time_s = measure(step, policy, timer_for(case.device))
         current = "memory"
         phase(current)
+        q.grad = k.grad = v.grad = None  # freed inside the measured step, they would hide its own memory
         memory = measure_peak(step, case.device)
     except Exception as exc:
         reason, details = describe_failure(current, exc)

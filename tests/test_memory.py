@@ -10,7 +10,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from bench import memory
+from bench import memory, registry
+from bench.case import Case
+from bench.measure import CaseCache, Task, measure_task
+from bench.registry import Impl
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
 
 MiB = 2**20
@@ -155,3 +158,29 @@ def test_sparse_peaks_grow_as_nnz(peaks, impl):
     for small, big in itertools.pairwise(SEQ_LENS):  # nnz doubles with N at a fixed window
         assert 1.5 <= sparse[big] / sparse[small] <= 2.6, (impl, small, big, sparse)
     assert sparse[4096] * 8 < dense[4096], (impl, sparse, dense)
+
+
+class WeightedSum(Impl):
+    """Not attention: q + 2k + 3v, whose backward allocates three distinct gradients and nothing else."""
+
+    name = "test_weighted_sum"
+    fwd_bwd = True
+
+    def prepare(self, case, pattern, q, k, v):
+        return lambda: q * 1.0 + k * 2.0 + v * 3.0
+
+
+@pytest.mark.skipif(memory.cpu_peak_available() is not None, reason="needs /proc/self/clear_refs (Linux)")
+def test_fwd_bwd_peak_counts_the_gradients_of_the_measured_step(monkeypatch):
+    # The timed step frees the previous step's q.grad, k.grad and v.grad when it starts; measured that way,
+    # their bytes cancel the new gradients' and the record would show almost nothing. Gradients over
+    # 32 MiB are mapped by glibc even while timing, so freeing them visibly lowers the resident size.
+    monkeypatch.setitem(registry._REGISTRY, WeightedSum.name, WeightedSum)
+    monkeypatch.setitem(registry._INSTANCES, WeightedSum.name, WeightedSum())
+    case = Case(batch=1, heads=9, seq_len=1024, head_dim=1024, mode="fwd_bwd", device="cpu")
+    task = Task(case.params(), case.case_id, case.params(), WeightedSum.name,
+                {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "timeout_s": 60, "check": False})
+    record = measure_task(task, CaseCache())
+    assert record.status == "ok", record.reason
+    grad_bytes = 9 * 1024 * 1024 * 4  # one float32 (B, H, N, D) gradient: 36 MiB
+    assert record.memory.peak_bytes >= 3 * grad_bytes - SLACK
