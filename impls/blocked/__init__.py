@@ -3,8 +3,9 @@
 Queries are cut into blocks of `block_size` rows; each query block gets every key it may see in one batch
 and is computed by dense GEMMs: sliding windows of K for banded patterns (Longformer's sliding chunks),
 gathered key blocks otherwise (`plan`), masked only where blocks are partially allowed, with an exact
-softmax over the batch (`compute`). Memory grows with the allowed blocks, never N^2, and the whole
-computation is differentiable (mode fwd_bwd).
+softmax over the batch (`compute`). Memory never grows as N^2: the forward holds one step's scores
+per thread besides its output, and the backward (an autograd.Function walking the same steps) the saved
+probabilities of the allowed blocks.
 """
 
 from __future__ import annotations

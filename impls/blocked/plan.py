@@ -79,7 +79,6 @@ class GatherPlan:
     empty_rows: Tensor | None
     scale: float
     computed_pairs: int
-    inverse_order: Tensor  # output block b is the inverse_order[b]-th block computed
 
     path = "gather"
 
@@ -131,7 +130,7 @@ def _uniform_runs(allowed: Tensor) -> list[tuple[int, int]]:
     return [(r0, r1) for r0, r1, _ in groups]
 
 
-def band_plan(pattern, bs: int, lo: int, hi: int, heads: int, scale: float, device: torch.device) -> BandPlan:
+def band_plan(pattern, bs: int, lo: int, hi: int, scale: float, device: torch.device) -> BandPlan:
     """Sliding-window plan for a pattern allowed only where lo <= i - j <= hi."""
     n = pattern.seq_len
     nb = math.ceil(n / bs)
@@ -143,7 +142,6 @@ def band_plan(pattern, bs: int, lo: int, hi: int, heads: int, scale: float, devi
     allowed |= empty[:, :, None]
     pieces = [p for r0, r1 in _uniform_runs(allowed) for p in bias_pieces(allowed[r0:r1], r0, device)]
     empty_rows = empty.flatten()[:n]
-    del heads  # steps are cut at compute time, over all heads
     return BandPlan(n, bs, nb, span, hi, pieces, empty_rows.to(device) if bool(empty_rows.any()) else None,
                     scale, max(1, STEP_BYTES // (4 * bs * span)))
 
@@ -210,9 +208,8 @@ def gather_plan(pattern, bs: int, heads: int, scale: float, device: torch.device
             steps.append(GatherStep(rows.to(device), kv.to(device), bias_pieces(allowed, 0, device),
                                     heads_per_step, c * bs))
     empty_rows = ~row_allowed.flatten()[:n]
-    order = torch.cat([s.rows.cpu() for s in steps])
     return GatherPlan(n, bs, nb, steps, empty_rows.to(device) if bool(empty_rows.any()) else None, scale,
-                      computed, torch.argsort(order).to(device))
+                      computed)
 
 
 def make_plan(pattern, bs: int, heads: int, scale: float, device: torch.device) -> BandPlan | GatherPlan:
@@ -222,5 +219,5 @@ def make_plan(pattern, bs: int, heads: int, scale: float, device: torch.device) 
     if band is not None and global_tokens == 0 and all(math.isfinite(x) for x in band):
         lo, hi = int(band[0]), int(band[1])
         if hi - lo < pattern.seq_len:
-            return band_plan(pattern, bs, lo, hi, heads, scale, device)
+            return band_plan(pattern, bs, lo, hi, scale, device)
     return gather_plan(pattern, bs, heads, scale, device)
