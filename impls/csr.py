@@ -99,12 +99,17 @@ class CsrAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: CsrLayout, scale: float) -> Tensor:
-        heads = run_steps([lambda h=h: _head_forward(layout, q[h], k[h], v[h], scale) for h in range(q.shape[0])],
-                          q.device)
+        keep = any(ctx.needs_input_grad[:3])
+
+        def head(h: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+            out, expd, sums = _head_forward(layout, q[h], k[h], v[h], scale)
+            return (out, expd, sums) if keep else (out, None, None)  # inference keeps no nnz-sized values
+
+        heads = run_steps([lambda h=h: head(h) for h in range(q.shape[0])], q.device)
         out = torch.stack([o for o, _, _ in heads])
-        if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(q, k, v, out, torch.stack([e for _, e, _ in heads]),
-                                  torch.stack([s for _, _, s in heads]))
+        if keep:
+            ctx.save_for_backward(q, k, v, out, torch.stack([e for _, e, _ in heads]),  # type: ignore[misc]
+                                  torch.stack([s for _, _, s in heads]))  # type: ignore[misc]
         ctx.layout, ctx.scale = layout, scale
         return out
 

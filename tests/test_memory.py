@@ -120,21 +120,21 @@ def test_measure_peak_sends_cuda_devices_to_the_cuda_path(monkeypatch):
 
 # --- the laws, in records written by `bench run` -------------------------------------------------------
 
-SEQ_LENS = [1024, 2048, 4096]
-HEADS = 2
 
+def _peaks(tmp, impls: list[str], defaults: dict, seq_lens: list[int]) -> dict[str, dict[int, int]]:
+    """peak_bytes by impl and seq_len from one `bench run` of local attention over seq_lens.
 
-@pytest.fixture(scope="module")
-def peaks(tmp_path_factory) -> dict[str, dict[int, int]]:
-    """peak_bytes by impl and seq_len from one `bench run`: local window 64, so nnz grows as N."""
-    tmp = tmp_path_factory.mktemp("memory")
+    The worker runs single-threaded: csr and blocked run their steps on as many threads as torch has, and
+    how much of two steps' transient memory coincides depends on scheduling (up to a factor of the thread
+    count), which would blur the law checked here.
+    """
     suite = write_suite(tmp, {
-        "name": "memory-laws", "impls": ["dense", "csr", "blocked"],
-        "defaults": {"heads": HEADS, "head_dim": 32, "pattern": "local", "window": 64, "device": "cpu"},
-        "sweep": {"seq_len": SEQ_LENS},
+        "name": "memory-laws", "impls": impls,
+        "defaults": {"pattern": "local", "window": 64, "device": "cpu", **defaults},
+        "sweep": {"seq_len": seq_lens},
         "measure": {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 300, "check": False},
     })
-    proc = run_bench("run", str(suite), "--out", str(tmp / "results"))
+    proc = run_bench("run", str(suite), "--out", str(tmp / "results"), env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out: dict[str, dict[int, int]] = defaultdict(dict)
     for r in read_jsonl(only_run_dir(tmp / "results") / "records.jsonl"):
@@ -144,20 +144,39 @@ def peaks(tmp_path_factory) -> dict[str, dict[int, int]]:
     return out
 
 
-def test_dense_peak_holds_the_score_matrix_and_grows_as_n_squared(peaks):
-    dense = peaks["dense"]
-    for n in SEQ_LENS:
-        assert dense[n] >= HEADS * n * n * 4, f"N={n}: {dense[n]} bytes < the float32 scores"
-    for small, big in itertools.pairwise(SEQ_LENS):
-        assert 3.3 <= dense[big] / dense[small] <= 4.7, (small, big, dense)
+DENSE_N, DENSE_HEADS = [1024, 2048, 4096], 2
+SPARSE_N, SPARSE_HEADS = [4096, 8192, 16384], 4
+
+
+@pytest.fixture(scope="module")
+def dense_peaks(tmp_path_factory) -> dict[int, int]:
+    return _peaks(tmp_path_factory.mktemp("dense"), ["dense"], {"heads": DENSE_HEADS, "head_dim": 32},
+                  DENSE_N)["dense"]
+
+
+@pytest.fixture(scope="module")
+def sparse_peaks(tmp_path_factory) -> dict[str, dict[int, int]]:
+    return _peaks(tmp_path_factory.mktemp("sparse"), ["csr", "blocked"], {"heads": SPARSE_HEADS, "head_dim": 64},
+                  SPARSE_N)
+
+
+def test_dense_peak_holds_the_score_matrix_and_grows_as_n_squared(dense_peaks):
+    for n in DENSE_N:
+        assert dense_peaks[n] >= DENSE_HEADS * n * n * 4, f"N={n}: {dense_peaks[n]} bytes < the float32 scores"
+    for small, big in itertools.pairwise(DENSE_N):
+        assert 3.3 <= dense_peaks[big] / dense_peaks[small] <= 4.7, (small, big, dense_peaks)
 
 
 @pytest.mark.parametrize("impl", ["csr", "blocked"])
-def test_sparse_peaks_grow_as_nnz(peaks, impl):
-    sparse, dense = peaks[impl], peaks["dense"]
-    for small, big in itertools.pairwise(SEQ_LENS):  # nnz doubles with N at a fixed window
-        assert 1.5 <= sparse[big] / sparse[small] <= 2.6, (impl, small, big, sparse)
-    assert sparse[4096] * 8 < dense[4096], (impl, sparse, dense)
+def test_sparse_peaks_grow_as_nnz(sparse_peaks, impl):
+    peaks = sparse_peaks[impl]
+    # nnz doubles with N at a fixed window: about 2 per doubling and 4 over the range if linear, 16 if
+    # quadratic. Single ratios move with allocation granularity (csr's sparse kernels allocate as they go).
+    for small, big in itertools.pairwise(SPARSE_N):
+        assert 1.4 <= peaks[big] / peaks[small] <= 3.0, (impl, small, big, peaks)
+    assert 2.8 <= peaks[SPARSE_N[-1]] / peaks[SPARSE_N[0]] <= 6.0, (impl, peaks)
+    n = SPARSE_N[-1]
+    assert peaks[n] * 10 < SPARSE_HEADS * n * n * 4, (impl, peaks)  # a tenth of dense's scores alone
 
 
 class WeightedSum(Impl):
