@@ -203,3 +203,19 @@ def test_fwd_bwd_peak_counts_the_gradients_of_the_measured_step(monkeypatch):
     assert record.status == "ok", record.reason
     grad_bytes = 9 * 1024 * 1024 * 4  # one float32 (B, H, N, D) gradient: 36 MiB
     assert record.memory.peak_bytes >= 3 * grad_bytes - SLACK
+
+
+def test_threaded_fwd_bwd_peak_holds_the_saved_probabilities(tmp_path):
+    # blocked runs its steps on threads; what they freed while timing must not hide the measured step's
+    # memory. Its backward needs every step's probabilities at once: 4 bytes per computed pair.
+    suite = write_suite(tmp_path, {
+        "name": "threaded-memory", "impls": ["blocked"],
+        "defaults": {"pattern": "local", "window": 256, "heads": 8, "head_dim": 64, "seq_len": 1024,
+                     "mode": "fwd_bwd", "device": "cpu"},
+        "measure": {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "timeout_s": 300, "check": False},
+    })
+    proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"), env={"OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
+    saved = record["config"]["computed_pairs_per_head"] * 8 * 4
+    assert record["memory"]["peak_bytes"] >= saved, (record["memory"], saved)
