@@ -68,13 +68,15 @@ def run_steps(steps: list[Callable[[], T]], device: torch.device) -> list[T]:
         return [step() for step in steps]
     global _pool, _pool_threads
     if _pool is None or _pool_threads != threads:
-        # OpenMP's thread count is per thread: each pool thread sets its own to 1 once, for good.
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="impl-step",
-                                   initializer=torch.set_num_threads, initargs=(1,))
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="impl-step")
         _pool_threads = threads
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run(step: Callable[[], T]) -> T:
+        # OpenMP's thread count is per thread; torch initialises a thread's lazily from a process-wide
+        # default (which the caller's count restores below), so it is checked on every step.
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return step()
 
