@@ -172,7 +172,8 @@ def _pair_json(p: PairResult) -> dict[str, Any]:
     time = None
     if p.time is not None:
         t = p.time
-        time = {"n_base": t.n_base, "n_new": t.n_new, "median_base_s": _num(t.median_base),
+        time = {"n_base": t.n_base, "n_new": t.n_new, "runs_base": t.runs_base, "runs_new": t.runs_new,
+                "median_base_s": _num(t.median_base),
                 "median_new_s": _num(t.median_new), "ratio": _num(t.ratio), "ci_low": _num(t.ci_low),
                 "ci_high": _num(t.ci_high), "p_value": _num(t.p_value), "q_value": _num(p.q_value),
                 "comparable": p.time_comparable, "note": t.note}
@@ -186,8 +187,8 @@ def pooled_status(records: list[Record]) -> str:
     return max((r.status for r in records), key=STATUS_RANK.__getitem__)
 
 
-def pooled_samples(records: list[Record]) -> list[float]:
-    return [s for r in records if r.status == "ok" and r.time_s for s in r.time_s.samples]
+def samples_per_run(records: list[Record]) -> list[list[float]]:
+    return [list(r.time_s.samples) for r in records if r.status == "ok" and r.time_s]
 
 
 def figures(record: Record) -> dict[str, Any]:
@@ -308,6 +309,10 @@ def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRES
     if b_suites != n_suites:
         notes.append(f"suites differ (base {', '.join(sorted(b_suites))}, new {', '.join(sorted(n_suites))}): "
                      "only (case, impl) pairs present in both are compared")
+    if not deterministic_only and len(base.runs) == 1 and len(new.runs) == 1:
+        notes.append("one run per side: the intervals hold the variation within each run, not between runs "
+                     "(machine load, clocks); pool several interleaved runs per commit (CI does) for time verdicts "
+                     "that a changed background cannot fake")
     if base.modelled or new.modelled:
         notes.append(f"{len(base.modelled) + len(new.modelled)} modelled records (source: modelled) were set "
                      "aside: models are not measurements and are not compared")
@@ -322,8 +327,7 @@ def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRES
                           changes=figure_changes(b, n),
                           notes=_disagreements("base", b) + _disagreements("new", n))
         if not deterministic_only and pair.base_status == "ok" and pair.new_status == "ok":
-            pair.time = cs.compare_samples(pooled_samples(b), pooled_samples(n), cs.seed_for(f"{case_id}|{impl}",
-                                                                                               seed))
+            pair.time = cs.compare_runs(samples_per_run(b), samples_per_run(n), cs.seed_for(f"{case_id}|{impl}", seed))
             if any(r.interpreter for r in (*b, *n)):
                 pair.notes.append("timed through the Triton interpreter on CPU: not kernel speed")
         pairs.append(pair)

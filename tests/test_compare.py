@@ -340,3 +340,25 @@ def test_golden_mixed_comparison(tmp_path, capsys):
     assert view == json.loads(GOLDEN.read_text())
     assert code == 1
     assert doc["base"]["runs"] == [load_run(base).info.run_id]
+
+
+def test_runs_pooled_per_side_put_run_to_run_variation_into_the_interval():
+    """Three runs a side whose levels spread by 10% (a busy neighbour, clocks): a 14% shift is not proven.
+
+    Resampling the pooled samples alone would call it SLOWER; resampling runs, then samples, says AMBIGUOUS.
+    """
+    rng = np.random.default_rng(13)
+    base_runs = [noisy(rng, level, n=20, sigma=0.01) for level in (1.00e-3, 1.05e-3, 1.10e-3)]
+    new_runs = [noisy(rng, level, n=20, sigma=0.01) for level in (1.15e-3, 1.20e-3, 1.25e-3)]
+    seed = cs.seed_for("c|dense")
+    flat = cs.compare_samples(np.concatenate(base_runs), np.concatenate(new_runs), seed)
+    runs = cs.compare_runs(base_runs, new_runs, seed)
+    assert (runs.runs_base, runs.runs_new, runs.n_base) == (3, 3, 60) and runs.ratio == flat.ratio
+    assert cs.verdict(flat, flat.p_value, 0.1, 0.05) == cs.SLOWER
+    assert cs.verdict(runs, runs.p_value, 0.1, 0.05) == cs.AMBIGUOUS
+    assert runs.ci_low < 1.1 < flat.ci_low and runs.ci_high > flat.ci_high
+    # the same shift with steady runs is proven either way
+    steady_base = [noisy(rng, 1e-3, n=20, sigma=0.01) for _ in range(3)]
+    steady_new = [noisy(rng, 1.3e-3, n=20, sigma=0.01) for _ in range(3)]
+    steady = cs.compare_runs(steady_base, steady_new, seed)
+    assert cs.verdict(steady, steady.p_value, 0.1, 0.05) == cs.SLOWER
