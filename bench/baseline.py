@@ -11,6 +11,7 @@ the two runs (an implementation added or removed since) are listed, not failed, 
 registry changing; but when no pair at all is in common the check fails and asks for a refresh.
 
     python -m bench.baseline refresh    # run the suite into results/, point results/BASELINE at the new run
+    python -m bench.baseline refresh --run results/<run_id>    # or name a run already there
 
 then commit `results/BASELINE` and the new run's run.json and records.jsonl. A refresh refuses to bless a run
 with failed or incorrect records (it would hide those failures from every later check).
@@ -89,11 +90,18 @@ def check(baseline_file: Path, results: Path, suite: Path, console: Console, err
         return result.exit_code
 
 
-def refresh(baseline_file: Path, results: Path, suite: Path, err: Console) -> int:
-    code, new_dir = _run_suite(suite, results)
-    if new_dir is None or code not in (0, 1):
-        err.print(f"[bold red]bench run {suite} exited with {code}; the baseline is unchanged[/]")
-        return code or 2
+def refresh(baseline_file: Path, results: Path, suite: Path, err: Console, run_dir: Path | None = None) -> int:
+    """Run the suite into `results` (or take the existing `run_dir` there) and name it in `baseline_file`."""
+    if run_dir is not None:
+        if run_dir.resolve().parent != results.resolve():
+            raise BadInput(f"must be a run directory directly under {results}", file=str(run_dir), field="--run")
+        new_dir = run_dir
+    else:
+        code, made = _run_suite(suite, results)
+        if made is None or code not in (0, 1):
+            err.print(f"[bold red]bench run {suite} exited with {code}; the baseline is unchanged[/]")
+            return code or 2
+        new_dir = made
     run = load_run(new_dir)
     bad = [r for r in run.records if r.status in ("failed", "incorrect")]
     if bad:
@@ -114,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", default="suites/smoke.yaml", help="suite to run (default suites/smoke.yaml)")
     parser.add_argument("--results", default="results", help="results store holding the baseline run")
     parser.add_argument("--baseline-file", default=None, help="default: RESULTS/BASELINE")
+    parser.add_argument("--run", default=None, metavar="RUN_DIR",
+                        help="refresh: name this existing run under RESULTS instead of making a new one")
     args = parser.parse_args(argv)
     results = Path(args.results)
     baseline_file = Path(args.baseline_file) if args.baseline_file else results / "BASELINE"
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "check":
             return check(baseline_file, results, Path(args.suite), console, err)
-        return refresh(baseline_file, results, Path(args.suite), err)
+        return refresh(baseline_file, results, Path(args.suite), err, Path(args.run) if args.run else None)
     except BadInput as exc:
         print(f"bench.baseline {args.action}: error: {exc}", file=sys.stderr)
         return 2

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from bench.baseline import main, read_baseline
 from tests.conftest import write_suite
+from tests.synthetic import commit_id, record, write_run
 
 
 def tiny_suite(directory: Path, impls: list[str], **defaults) -> Path:
@@ -31,8 +33,12 @@ def test_refresh_then_check(tmp_path, capsys, faulty_plugin):
     assert code == 0 and "does not exist: the deterministic baseline check was NOT run" in err
 
     # a run with an incorrect record is refused as a baseline
-    code, _, err = baseline(capsys, "refresh", *opts)
+    unhealthy = write_run(results, commit=commit_id(1), records=[record("c", "dense", [1e-3] * 3, status="incorrect")])
+    code, _, err = baseline(capsys, "refresh", *opts, "--run", str(unhealthy))
     assert code == 1 and "a baseline must be healthy" in err and not (results / "BASELINE").exists()
+    code, _, err = baseline(capsys, "refresh", *opts, "--run", str(tmp_path))
+    assert code == 2 and f"must be a run directory directly under {results}" in err
+    shutil.rmtree(unhealthy)
 
     healthy = tiny_suite(tmp_path, ["dense"])
     code, _, err = baseline(capsys, "refresh", "--results", str(results), "--suite", str(healthy))
