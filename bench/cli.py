@@ -41,6 +41,36 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.compare import compare_specs
+    from bench.compare_report import print_comparison
+
+    result = compare_specs(args.base, args.new, results=Path(args.results), suite=args.suite,
+                           threshold_pct=args.threshold, alpha=args.alpha, deterministic_only=args.deterministic_only)
+    if args.json:
+        for warning in result.warnings:
+            print(f"bench compare: WARNING: {warning}", file=sys.stderr)
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print_comparison(result, make_console(), make_console(stderr=True))
+    return result.exit_code
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    from bench.history import history_command
+
+    return history_command(Path(args.results), args.suite, threshold_pct=args.threshold, as_json=args.json,
+                           show_all=args.all, console=make_console())
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from bench.export import export_command
+
+    return export_command(Path(args.run), args.format, Path(args.output) if args.output else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -57,6 +87,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="implementations, patterns or hardware, with availability")
     p.add_argument("what", nargs="?", choices=["impls", "patterns", "hardware"], default="impls")
     p.set_defaults(func=_cmd_list)
+
+    p = sub.add_parser("compare", help="which cases got slower or faster between two runs or commits")
+    p.add_argument("base", metavar="BASE", help="run directory, or a commit id prefix found in the results store")
+    p.add_argument("new", metavar="NEW", help="run directory, or a commit id prefix found in the results store")
+    p.add_argument("--threshold", type=float, default=10.0, metavar="PCT",
+                   help="smallest slowdown that counts, in percent (default 10)")
+    p.add_argument("--alpha", type=float, default=0.05, help="false discovery rate across cases (default 0.05)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--results", default="results", metavar="DIR", help="results store for commit prefixes")
+    p.add_argument("--suite", metavar="NAME", help="with a commit prefix: only runs of this suite")
+    p.add_argument("--deterministic-only", action="store_true",
+                   help="compare only exact figures (status, FLOPs, correctness, bytes), not times")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("history", help="per (case, impl) series over commits, with detected steps")
+    p.add_argument("suite", nargs="?", metavar="SUITE", help="suite name (default: every suite)")
+    p.add_argument("--results", default="results", metavar="DIR", help="results store (default: results)")
+    p.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
+                   help="smallest step reported, in percent (default 5)")
+    p.add_argument("--all", action="store_true", help="list every series, not only those with steps")
+    p.add_argument("--json", action="store_true", help="print the series and steps as JSON")
+    p.set_defaults(func=_cmd_history)
+
+    p = sub.add_parser("export", help="a run as pytest-benchmark JSON or CSV")
+    p.add_argument("run", metavar="RUN_DIR")
+    p.add_argument("--format", required=True, choices=["pytest-benchmark", "csv"])
+    p.add_argument("-o", "--output", metavar="FILE", help="output file (default: stdout)")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("env", help="what was detected: GPUs, drivers, versions, git state")
     p.set_defaults(func=_cmd_env)
