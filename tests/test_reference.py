@@ -75,11 +75,3 @@ def test_compare_flags_nan_and_tolerances():
     assert tolerance_for("float32") == 1e-4 and tolerance_for("float32", tf32=True) == 2e-3
     assert tolerance_for("float16") == 5e-3 and tolerance_for("bfloat16") == 2e-2
 
-
-def test_console_time_format_rounds_into_the_next_unit():
-    from bench.console import format_seconds
-
-    assert format_seconds(0.0009996) == "1 ms"
-    assert format_seconds(0.000999) == "999 us"
-    assert format_seconds(1.5) == "1.5 s"
-    assert format_seconds(None) == "-"
