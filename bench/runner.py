@@ -18,6 +18,7 @@ from rich.table import Table
 from bench import registry
 from bench.case import Case, resolve_device
 from bench.console import Reporter, print_summary
+from bench.distributed import run_pair
 from bench.env import capture
 from bench.errors import BadInput
 from bench.measure import Task
@@ -104,14 +105,12 @@ def run(options: RunOptions, console: Console) -> int:
                 case = _resolved(pair.case, options.device)
                 reporter.start(labels[pair.case.case_id], pair.impl)
                 started = utc_now()
+                task = Task(case.params(), pair.case.case_id, pair.case.params(), pair.impl, measure)
                 if case.world_size > 1:
-                    record = Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(),
-                                    status="skipped", reason="world_size > 1 needs the distributed runner",
-                                    started_at=started)
+                    record = run_pair(task, plugins, suite.measure.timeout_s, run_dir / "ranks.log")
                 else:
                     if worker is None:
                         worker = WorkerProcess(plugins, run_dir / "worker.log")
-                    task = Task(case.params(), pair.case.case_id, pair.case.params(), pair.impl, measure)
                     outcome = worker.run(task.to_json(), suite.measure.timeout_s)
                     if outcome.record is not None:
                         record = Record.model_validate(outcome.record)
