@@ -133,3 +133,25 @@ def all_to_all(x: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
     """Rows of x (dim 0) go to ranks in order, send_splits[r] to rank r; rows arrive in rank order,
     recv_splits[r] from rank r. Backward sends each gradient row back where its row came from."""
     return _AllToAll.apply(x, list(send_splits), list(recv_splits))
+
+
+class _KeepInGraph(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, *tied: Tensor) -> Tensor:
+        ctx.tied = [(t.shape, t.dtype, t.device) for t in tied]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, ...]:
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.tied))
+
+
+def keep_in_graph(out: Tensor, *tied: Tensor) -> Tensor:
+    """`out` unchanged, with `tied` made part of its graph (their gradient is zero).
+
+    Every rank must run the same collectives in backward. Autograd skips the backward of any op whose result
+    does not reach the output - for instance a ring shift whose K/V chunk a rank had no use for - and its
+    peers would then wait forever for the matching send. Tying such results to the output keeps every
+    rank's backward collectives in step.
+    """
+    return _KeepInGraph.apply(out, *tied)

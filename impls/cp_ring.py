@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.comm_autograd import ring_shift
+from bench.comm_autograd import keep_in_graph, ring_shift
 from bench.registry import register
 from bench.sharding import DistributedImpl
 from impls.parallel_common import attend_with_lse, communicator_for, kv_row_bytes, merge
@@ -43,16 +43,17 @@ class RingContextParallel(DistributedImpl):
         def call():
             kv = torch.stack((k_r, v_r))  # (2, B, H, C, D)
             out = lse = None
+            unused = []  # chunks with no allowed pair here: kept in the graph so their shifts' backward runs
             for step in range(p):
                 if step:
                     kv = ring_shift(kv)
                 if masks[step] is None:
+                    unused.append(kv)
                     continue
                 o, l = attend_with_lse(q_r, kv[0], kv[1], masks[step])
                 out, lse = (o, l) if out is None else merge(out, lse, o, l)
-            if out is None:
-                return torch.zeros_like(q_r)
-            return out.to(q.dtype)
+            out = torch.zeros_like(q_r) if out is None else out.to(q.dtype)
+            return keep_in_graph(out, *unused) if unused else out
 
         return call
 
