@@ -17,6 +17,7 @@ exit; torchrun then ends every rank. Records written so far are kept and `--resu
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import time
@@ -56,6 +57,7 @@ class Session:
         if not dist.is_initialized():
             dist.init_process_group("cpu:gloo,cuda:nccl" if uses_cuda else "gloo", timeout=self.pair_wait)
         self.coord = dist.new_group(backend="gloo", timeout=self.pair_wait)
+        gc.freeze()  # imports are permanent: the memory phase's gc.collect() need not walk them every pair
 
     @property
     def leader(self) -> bool:

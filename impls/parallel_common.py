@@ -55,6 +55,8 @@ def attend_with_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tens
     the block's softmax denominator. A row with no allowed key in the block has out 0 and lse -inf.
     """
     acc = accum_dtype(q.dtype)
+    if k.shape[-2] == 0:  # no keys at all
+        return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], -math.inf, dtype=acc)
     scores = (q @ k.transpose(-1, -2)).to(acc) * softmax_scale(q.shape[-1])
     scores = scores.masked_fill(~mask, -math.inf)
     peak = scores.amax(dim=-1, keepdim=True)
