@@ -152,6 +152,13 @@ def _watch(ranks: list[_Rank], timeout_s: float) -> tuple[str, str | None] | Non
     while True:
         if not started_clock and all(r.ready for r in ranks):
             deadline, started_clock = time.monotonic() + timeout_s, True  # the case's clock starts now
+        dead = [r for r in ranks if r.closed and r.part is None]
+        if dead:  # a death explains its peers' communication errors, never the other way round
+            r = dead[0]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.proc.wait(timeout=1.0)
+            return (f"rank {r.rank} died during {r.phase} ({describe_exit(r.proc.poll())}); all {world} ranks "
+                    "killed", None)
         parts = [r.part for r in ranks if r.part is not None]
         failed = [p for p in parts if p["status"] == "failed"]
         if failed:
@@ -161,13 +168,6 @@ def _watch(ranks: list[_Rank], timeout_s: float) -> tuple[str, str | None] | Non
                 return None  # assemble_record names the rank whose own error came first
         elif len(parts) == world:
             return None
-        dead = [r for r in ranks if r.closed and r.part is None]
-        if dead:
-            r = dead[0]
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.proc.wait(timeout=1.0)
-            return (f"rank {r.rank} died during {r.phase} ({describe_exit(r.proc.poll())}); all {world} ranks "
-                    "killed", None)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             if not started_clock:

@@ -135,9 +135,13 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
 
 
 def _is_comm_error(exc: BaseException) -> bool:
-    """Errors raised by torch.distributed itself (a peer died, a collective timed out)."""
+    """Errors of the communication layer itself (a peer died, a collective timed out): consequences.
+
+    nccl raises torch.distributed.DistError subclasses; gloo raises a plain RuntimeError whose message names
+    its transport ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer").
+    """
     dist_error = getattr(torch.distributed, "DistError", None)
-    return dist_error is not None and isinstance(exc, dist_error)
+    return (dist_error is not None and isinstance(exc, dist_error)) or "/gloo/transport/" in str(exc)
 
 
 def _sync(device: str) -> None:

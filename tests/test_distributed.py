@@ -222,3 +222,14 @@ def test_faulty_ranks_give_failed_records_and_leave_no_process(tmp_path):
     assert {f"{name}-rank1" for name in ("fault_rank_raise", "fault_rank_hang", "fault_rank_kill")} <= set(started)
     assert all(_gone(pid) for pid in started.values()), "a rank process outlived its pair"
     assert elapsed < 600
+
+
+@pytest.mark.parametrize("name, worlds, pairs", [("seed000_comm", {2, 4}, 56), ("multi_gpu", {1, 2, 4, 8}, 160)])
+def test_distributed_suites_load(name, worlds, pairs):
+    from bench.suite import load_suite
+
+    suite = load_suite(ROOT / "suites" / f"{name}.yaml")
+    assert suite.impls == IMPLS
+    assert {c.world_size for c in suite.cases} == worlds
+    assert len(suite.cases) * len(suite.impls) == pairs
+    assert all(c.heads % c.world_size == 0 and c.seq_len % c.world_size == 0 for c in suite.cases)
