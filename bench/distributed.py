@@ -33,6 +33,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from bench import registry
+from bench.case import Case
 from bench.measure import Task, describe_failure
 from bench.records import Record
 from bench.store import utc_now
@@ -87,7 +89,7 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
     """Measure one (case, impl) over case.world_size rank processes; always returns a Record."""
     import torch.distributed as dist
 
-    from bench import registry
+    from bench.rank_measure import assemble_record
 
     started, t_start = utc_now(), time.perf_counter()
     case = task.case
@@ -96,8 +98,6 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
     def finish(status: str, reason: str, details: str | None = None) -> Record:
         return Record(case_id=task.case_id, impl=task.impl, params=task.params, status=status, reason=reason,
                       details=details, started_at=started, wall_s=time.perf_counter() - t_start)
-
-    from bench.case import Case
 
     impl = registry.get(task.impl)
     why = launch_problem(world, device) or impl.unavailable() or impl.unsupported(Case(**case))
@@ -111,8 +111,6 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
         failure = _watch(ranks, timeout_s)
         if failure is not None:
             return finish("failed", failure[0], failure[1])
-        from bench.rank_measure import assemble_record
-
         parts = [r.part for r in ranks if r.part is not None]
         return assemble_record(task, parts, backend_for(device), started, time.perf_counter() - t_start)
     finally:
