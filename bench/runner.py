@@ -15,9 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import registry
+from bench import registry, torchrun
 from bench.case import Case, resolve_device
 from bench.console import Reporter, print_summary
+from bench.distributed import run_pair
 from bench.env import capture
 from bench.errors import BadInput
 from bench.measure import Task
@@ -85,6 +86,11 @@ def run(options: RunOptions, console: Console) -> int:
         _print_plan(console, suite, impls, options.device)
         return 0
 
+    session = torchrun.Session(suite.measure.timeout_s, _backend(suite, options.device) == "cuda") \
+        if torchrun.launched() else None
+    if session is not None and not session.leader:
+        return session.follow()  # the leader (rank 0) announces each pair and writes every record
+
     if options.resume is not None:
         run_dir, existing = _open_for_resume(options.resume, suite, console)
     else:
@@ -104,14 +110,14 @@ def run(options: RunOptions, console: Console) -> int:
                 case = _resolved(pair.case, options.device)
                 reporter.start(labels[pair.case.case_id], pair.impl)
                 started = utc_now()
-                if case.world_size > 1:
-                    record = Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(),
-                                    status="skipped", reason="world_size > 1 needs the distributed runner",
-                                    started_at=started)
-                else:
+                task = Task(case.params(), pair.case.case_id, pair.case.params(), pair.impl, measure)
+                # Under torchrun the launcher's ranks measure it; None: a single-process pair, for the worker.
+                record = session.measure(task) if session is not None else None
+                if record is None and case.world_size > 1:
+                    record = run_pair(task, plugins, suite.measure.timeout_s, run_dir / "ranks.log")
+                elif record is None:
                     if worker is None:
                         worker = WorkerProcess(plugins, run_dir / "worker.log")
-                    task = Task(case.params(), pair.case.case_id, pair.case.params(), pair.impl, measure)
                     outcome = worker.run(task.to_json(), suite.measure.timeout_s)
                     if outcome.record is not None:
                         record = Record.model_validate(outcome.record)
@@ -125,6 +131,8 @@ def run(options: RunOptions, console: Console) -> int:
         reporter.close()
         if worker is not None:
             worker.close()
+        if session is not None:
+            session.finish()
 
     info = read_run_info(run_dir)
     write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json"), "finished_at": utc_now()})
