@@ -21,6 +21,7 @@ from bench.case import Case
 from bench.env import device_description
 from bench.errors import Unavailable
 from bench.memory import measure_peak
+from bench.nvml import device_monitor
 from bench.patterns import Pattern
 from bench.records import Record
 from bench.reference import compare, reference_attention, rows_to_check, tolerance_for
@@ -165,7 +166,11 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) ->
         step = _timed_step(fn, q, k, v, grad_out)
         policy = TimingPolicy(warmup=task.measure["warmup"], repeat=task.measure["repeat"],
                               max_time_s=task.measure["max_time_s"])
+        monitor = device_monitor(case.device)  # GPU clocks, temperature, throttling around the timing
+        if monitor is not None:
+            monitor.start()
         time_s = measure(step, policy, timer_for(case.device))
+        device_state = monitor.stop() if monitor is not None else None
         current = "memory"
         phase(current)
         memory = measure_peak(step, case.device)
@@ -176,7 +181,7 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) ->
     flops_per_s = base["flops"] / time_s["median"] if time_s["median"] > 0 else None
     status = "incorrect" if problem else "ok"
     return finish(status=status, reason=problem, time_s=time_s, setup_s=setup_s, memory=memory,
-                  error=error, flops_per_s=flops_per_s)
+                  error=error, flops_per_s=flops_per_s, env=device_state)
 
 
 def _sync(device: str) -> None:
