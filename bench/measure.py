@@ -6,6 +6,7 @@ becomes a `failed` record, an output off the oracle an `incorrect` one.
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from bench.case import Case
 from bench.env import device_description
 from bench.errors import Unavailable
 from bench.memory import measure_peak
+from bench.memory_model import does_not_fit
 from bench.nvml import device_monitor
 from bench.patterns import Pattern
 from bench.records import Record
@@ -58,6 +60,12 @@ class CaseCache:
     pattern: Pattern | None = None
     inputs: tuple[Tensor, Tensor, Tensor] | None = None
     oracle: dict[str, Any] = field(default_factory=dict)
+
+    def input_bytes(self, case: Case) -> int:
+        """Bytes of this case's inputs already allocated (0 when another case's are cached)."""
+        if self.key != f"{case.case_id}@{case.device}" or self.inputs is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.inputs)
 
     def for_case(self, case: Case) -> None:
         key = f"{case.case_id}@{case.device}"
@@ -98,7 +106,28 @@ def describe_failure(phase: str, exc: BaseException) -> tuple[str, str]:
 
 
 def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) -> Record:
-    """Measure one (case, impl); never raises for problems of the implementation."""
+    """Measure one (case, impl); never raises for problems of the implementation.
+
+    After an out-of-memory failure the memory the failed call left behind is released here, once its
+    frames are gone, so that the next (case, impl) in this worker starts from a clean device.
+    """
+    record = _measure_task(task, cache, phase)
+    if record.status == "failed" and (record.reason or "").startswith("out of memory"):
+        release_memory(str(task.case.get("device", "cpu")))
+    return record
+
+
+def release_memory(device: str, torch_module: Any = None) -> None:
+    """Collect reference cycles (tracebacks keep frames, frames keep tensors) and return cached CUDA blocks."""
+    gc.collect()
+    if device.startswith("cuda"):
+        cuda = (torch_module or torch).cuda
+        cuda.synchronize()
+        cuda.empty_cache()
+        cuda.reset_peak_memory_stats()
+
+
+def _measure_task(task: Task, cache: CaseCache, phase: Phase) -> Record:
     started, t_start = utc_now(), time.perf_counter()
     case = Case(**task.case)
     base: dict[str, Any] = {"case_id": task.case_id, "impl": task.impl, "params": task.params,
@@ -114,6 +143,11 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) ->
     if reason:
         return finish(status="skipped", reason=reason)
     base["device"] = device_description(case.device)
+    too_big = does_not_fit(impl, case, already_held=cache.input_bytes(case))
+    if too_big is not None:
+        reason, model = too_big
+        return finish(status="skipped", reason=reason, memory={
+            "peak_bytes": model.total_bytes, "method": "model", "note": "modelled lower bound; the case was not run"})
 
     cache.for_case(case)
     pattern = cache.pattern
