@@ -41,6 +41,14 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from bench import calibrate
+    from bench.case import resolve_device
+
+    dtypes = args.dtype or list(calibrate.MATMUL_DTYPES)
+    return calibrate.command(resolve_device(args.device), Path(args.out), args.quick, dtypes, make_console())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -60,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("env", help="what was detected: GPUs, drivers, versions, git state")
     p.set_defaults(func=_cmd_env)
+
+    p = sub.add_parser("calibrate", help="measure this machine's matmul rate per dtype and copy bandwidth")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", default="results", metavar="DIR",
+                   help="results root; stored in DIR/calibration/<fingerprint>.json (default: results)")
+    p.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"],
+                   help="only this dtype (repeatable; default: all three, plus TF32 on CUDA)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and budgets (what a run does at its start)")
+    p.set_defaults(func=_cmd_calibrate)
     return parser
 
 

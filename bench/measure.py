@@ -18,6 +18,7 @@ from torch import Tensor
 
 from bench import flops as flop_counts
 from bench import registry
+from bench.calibrate import gpu_identity, peak_for
 from bench.case import Case
 from bench.env import device_description
 from bench.errors import Unavailable
@@ -213,9 +214,11 @@ def _measure_task(task: Task, cache: CaseCache, phase: Phase) -> Record:
         return finish(status="failed", reason=reason, details=details, setup_s=setup_s)
 
     flops_per_s = base["flops"] / time_s["median"] if time_s["median"] > 0 else None
+    peak = peak_for(flops_per_s, case.dtype, case.device, impl.tf32(case), task.measure.get("calibration"),
+                    gpu_identity(case.device))
     status = "incorrect" if problem else "ok"
     return finish(status=status, reason=problem, time_s=time_s, setup_s=setup_s, memory=memory,
-                  error=error, flops_per_s=flops_per_s, env=device_state)
+                  error=error, flops_per_s=flops_per_s, env=device_state, peak=peak)
 
 
 def _sync(device: str) -> None:
