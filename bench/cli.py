@@ -49,6 +49,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return calibrate.command(resolve_device(args.device), Path(args.out), args.quick, dtypes, make_console())
 
 
+def _cmd_model(args: argparse.Namespace) -> int:
+    from bench.model import model_command
+
+    return model_command(Path(args.suite), args.gpu, Path(args.out), make_console())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -77,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only this dtype (repeatable; default: all three, plus TF32 on CUDA)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and budgets (what a run does at its start)")
     p.set_defaults(func=_cmd_calibrate)
+
+    from bench.hardware import GPU_CHOICES
+
+    p = sub.add_parser("model", help="lower-bound times of a suite's cases on a GPU that is not here (a model)")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--gpu", required=True, choices=GPU_CHOICES, help="the card to model")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
+    p.set_defaults(func=_cmd_model)
     return parser
 
 

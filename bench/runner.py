@@ -161,6 +161,9 @@ def _backend(suite: Suite, device_override: str | None) -> str:
 
 def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
     info = read_run_info(run_dir)
+    if info.source != "measured":
+        raise BadInput(f"a {info.source} run (bench model); only measured runs can be resumed",
+                       file=str(run_dir), field="--resume")
     if info.suite.name != suite.name or info.suite.content != suite.content:
         raise BadInput(f"the run was made from suite {info.suite.name!r} with other content; resume it with the "
                        "same suite file", file=str(run_dir), field="--resume")
