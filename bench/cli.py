@@ -55,6 +55,13 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return model_command(Path(args.suite), args.gpu, Path(args.out), make_console())
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from bench.profile import profile_command
+
+    out = Path(args.output) if args.output else None
+    return profile_command(Path(args.suite), args.impl, args.case, out, args.device, make_console())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -91,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", required=True, choices=GPU_CHOICES, help="the card to model")
     p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
     p.set_defaults(func=_cmd_model)
+
+    p = sub.add_parser("profile", help="a torch.profiler trace (Chrome JSON) of one (case, impl) and its top ops")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--impl", required=True, metavar="NAME")
+    p.add_argument("--case", type=int, default=0, metavar="N", help="index of the case (see run --dry-run)")
+    p.add_argument("-o", "--output", metavar="FILE", help="trace file (default: profiles/<suite>-<case>-<impl>.json)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override the case's device")
+    p.set_defaults(func=_cmd_profile)
     return parser
 
 
