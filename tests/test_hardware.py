@@ -111,3 +111,24 @@ def test_list_hardware(capsys, monkeypatch):
     for key in HARDWARE:
         assert re.search(rf"\b{key}\b", out), key
     assert "bf16 TFLOP/s" in out and "989.4" in out and "NVLink 4" in out
+
+
+@pytest.mark.parametrize(("suite_name", "card", "largest_fit", "smallest_skip"), [
+    ("rtx4090", "rtx4090", 8192, 16384), ("a100", "a100_40gb", 16384, 32768), ("a100", "a100_80gb", 16384, 32768),
+    ("h100", "h100_sxm", 16384, 32768), ("h100", "h200", 32768, 65536)])
+def test_gpu_suites_reach_each_cards_dense_limit(suite_name, card, largest_fit, smallest_skip):
+    from bench import registry
+    from bench.memory_model import does_not_fit
+    from bench.suite import load_suite
+
+    suite = load_suite(hardware.PROJECT_ROOT / "suites" / f"{suite_name}.yaml")
+    memory = resolve(card).memory_bytes
+    dense = registry.get("dense")
+    fits, skipped = set(), set()
+    for case in suite.cases:
+        assert case.device == "cuda" and case.dtype in ("bfloat16", "float16")
+        if case.mode == "fwd" and case.pattern == "local":
+            too_big = does_not_fit(dense, case, available=(memory, "on the card"))
+            (skipped if too_big else fits).add(case.seq_len)
+    assert max(fits) == largest_fit and min(skipped) == smallest_skip
+    assert max(c.seq_len for c in suite.cases) >= 2 * smallest_skip  # the sparse ones go on past dense
