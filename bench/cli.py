@@ -70,6 +70,26 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     return export_command(Path(args.run), args.format, Path(args.output) if args.output else None)
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from bench import calibrate
+    from bench.case import resolve_device
+
+    dtypes = args.dtype or list(calibrate.MATMUL_DTYPES)
+    return calibrate.command(resolve_device(args.device), Path(args.out), args.quick, dtypes, make_console())
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from bench.model import model_command
+
+    return model_command(Path(args.suite), args.gpu, Path(args.out), make_console())
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from bench.profile import profile_command
+
+    out = Path(args.output) if args.output else None
+    return profile_command(Path(args.suite), args.impl, args.case, out, args.device, make_console())
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
@@ -118,6 +138,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("env", help="what was detected: GPUs, drivers, versions, git state")
     p.set_defaults(func=_cmd_env)
+
+    p = sub.add_parser("calibrate", help="measure this machine's matmul rate per dtype and copy bandwidth")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", default="results", metavar="DIR",
+                   help="results root; stored in DIR/calibration/<fingerprint>.json (default: results)")
+    p.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"],
+                   help="only this dtype (repeatable; default: all three, plus TF32 on CUDA)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and budgets (what a run does at its start)")
+    p.set_defaults(func=_cmd_calibrate)
+
+    from bench.hardware import GPU_CHOICES
+
+    p = sub.add_parser("model", help="lower-bound times of a suite's cases on a GPU that is not here (a model)")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--gpu", required=True, choices=GPU_CHOICES, help="the card to model")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
+    p.set_defaults(func=_cmd_model)
+
+    p = sub.add_parser("profile", help="a torch.profiler trace (Chrome JSON) of one (case, impl) and its top ops")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--impl", required=True, metavar="NAME")
+    p.add_argument("--case", type=int, default=0, metavar="N", help="index of the case (see run --dry-run)")
+    p.add_argument("-o", "--output", metavar="FILE", help="trace file (default: profiles/<suite>-<case>-<impl>.json)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override the case's device")
+    p.set_defaults(func=_cmd_profile)
     return parser
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import registry, torchrun
+from bench import calibrate, registry, torchrun
 from bench.case import Case, resolve_device
 from bench.console import Reporter, print_summary
 from bench.distributed import run_pair
@@ -94,13 +94,13 @@ def run(options: RunOptions, console: Console) -> int:
     if options.resume is not None:
         run_dir, existing = _open_for_resume(options.resume, suite, console)
     else:
-        run_dir, existing = _create_run(options, suite), []
+        run_dir, existing = _create_run(options, suite, console), []
     done = {(r.case_id, r.impl) for r in existing}
     todo = [p for p in pairs if p.key not in done]
 
     labels = {c.case_id: c.label for c in suite.cases}
     plugins = [(spec, str(suite.path.parent) if suite.path else None) for spec in suite.plugins]
-    measure = suite.measure.model_dump()
+    measure = {**suite.measure.model_dump(), "calibration": read_run_info(run_dir).env.get("calibration")}
     reporter = Reporter(len(todo), console)
     new_records: list[Record] = []
     worker: WorkerProcess | None = None
@@ -142,8 +142,17 @@ def run(options: RunOptions, console: Console) -> int:
     return 1 if any(r.status in ("failed", "incorrect") for r in all_records) else 0
 
 
-def _create_run(options: RunOptions, suite: Suite) -> Path:
-    env = capture(backend=_backend(suite, options.device))
+def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
+    backend = _backend(suite, options.device)
+    env = capture(backend=backend)
+    if suite.measure.calibrate:
+        console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
+    dtypes = sorted({c.dtype for c in suite.cases})
+    calibration = calibrate.for_run(suite.measure.calibrate, backend, dtypes, options.out, env["fingerprint"])
+    if calibration is not None:
+        env["calibration"] = calibration
+        if "error" in calibration:
+            console.print(f"[yellow]warning:[/] {calibration['error']}; peaks fall back to datasheets")
     commit = env["git"]["commit"] or "nogit"
     run_id, run_dir = create_run_dir(options.out, suite.name, commit)
     info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=str(options.suite), content=suite.content),
@@ -160,6 +169,9 @@ def _backend(suite: Suite, device_override: str | None) -> str:
 
 def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
     info = read_run_info(run_dir)
+    if info.source != "measured":
+        raise BadInput(f"a {info.source} run (bench model); only measured runs can be resumed",
+                       file=str(run_dir), field="--resume")
     if info.suite.name != suite.name or info.suite.content != suite.content:
         raise BadInput(f"the run was made from suite {info.suite.name!r} with other content; resume it with the "
                        "same suite file", file=str(run_dir), field="--resume")

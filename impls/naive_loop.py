@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from bench.memory_model import score_bytes
 from bench.registry import Impl, register
 from impls.common import accum_dtype, softmax_scale
 
@@ -22,6 +23,9 @@ class NaiveLoop(Impl):
     name = "naive_loop"
     description = "seed 001's per-query Python loop over an (N, N) score matrix, -inf outside the pattern"
     fwd_bwd = True
+
+    def memory_bytes(self, case):
+        return 2 * score_bytes(case)  # the float32 (B, H, N, N) matrix and its scaled copy under softmax
 
     def prepare(self, case, pattern, q, k, v):
         crow, col = pattern.csr()
