@@ -29,8 +29,12 @@ def html_text(value: object) -> str:
 
 
 def plot_text(value: object) -> str:
-    """A data string for a plotly text field: shown literally, never rendered as markup."""
-    return html.escape(str(value), quote=True)
+    """A data string for a plotly text field: shown literally, never rendered as markup.
+
+    Only `&`, `<` and `>` are escaped: plotly decodes exactly those entities (and numeric ones) back, but shows
+    `&quot;` literally; without `<` no tag can start, so quotes are harmless in its text.
+    """
+    return html.escape(str(value), quote=False)
 
 
 def script_json(data: Any) -> str:

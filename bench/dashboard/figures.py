@@ -86,10 +86,22 @@ class Colours:
         return self._colour.get(impl, "#444444")
 
 
-def trace_style(key: SeriesKey, colour: str) -> dict[str, Any]:
-    """Measured: solid line, filled markers. Model: dashed, open markers. Interpreter: dotted, diamonds."""
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "x", "star", "pentagon", "hexagon",
+           "triangle-down")
+
+
+def label_variants(keys: Iterable[SeriesKey]) -> dict[str, int]:
+    """A marker symbol index per series label, so `dense (w=16)` and `dense (w=32)` differ by more than a legend."""
+    return {label: i for i, label in enumerate(dict.fromkeys(k.label for k in keys))}
+
+
+def trace_style(key: SeriesKey, colour: str, variant: int = 0) -> dict[str, Any]:
+    """Colour: the implementation; marker symbol: the other parameters (`variant`); line: the provenance.
+
+    Measured: solid line, filled markers. Model: dashed line, open markers. Triton interpreter: dotted line.
+    """
     dash = "dash" if key.source == "modelled" else "dot" if key.interpreter else "solid"
-    symbol = "circle-open" if key.source == "modelled" else "diamond" if key.interpreter else "circle"
+    symbol = SYMBOLS[variant % len(SYMBOLS)] + ("-open" if key.source == "modelled" else "")
     return {"line": {"color": colour, "dash": dash}, "marker": {"color": colour, "symbol": symbol, "size": 7}}
 
 

@@ -72,6 +72,13 @@ def _anchor(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
+def _when(stamp: str | None) -> str | None:
+    """`2026-01-04T03:00:00.000000Z` as `2026-01-04 03:00:00` (UTC); anything else as given."""
+    if stamp and len(stamp) >= 19 and stamp[10] == "T":
+        return f"{stamp[:10]} {stamp[11:19]}"
+    return stamp
+
+
 def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
@@ -86,14 +93,17 @@ def index_context(runs: Sequence[Run], rows: Sequence[Row], pages: Sequence[Suit
                        "n_runs": len(page.runs), "n_commits": len({run_commit(r) for r in page.runs}),
                        "latest": max(r.info.run_id for r in page.runs), "counts": _counts(current_rows(page_rows)),
                        "n_figures": len(page.figures)})
+    rows_by_run: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        rows_by_run.setdefault((row.run_id, row.started_at), []).append(row)
     run_rows = []
     for run in runs:
         info = run.info
-        mine = [r for r in rows if r.run_id == info.run_id and r.started_at == info.started_at]
+        mine = rows_by_run.get((info.run_id, info.started_at), [])
         git = info.env.get("git") or {}
         run_rows.append({"run_id": info.run_id, "suite": info.suite.name,
                          "suite_file": by_suite[info.suite.name].file_name,
-                         "started_at": info.started_at, "finished_at": info.finished_at,
+                         "started_at": _when(info.started_at), "finished_at": _when(info.finished_at),
                          "commit": (run_commit(run) or "no git")[:12], "dirty": bool(git.get("dirty")),
                          "fingerprint": run_fingerprint(run), "fingerprint_anchor": _anchor(run_fingerprint(run)),
                          "source": info.source, "devices": list(dict.fromkeys(r.device for r in mine)),
@@ -128,6 +138,7 @@ def index_context(runs: Sequence[Run], rows: Sequence[Row], pages: Sequence[Suit
     commit_list = sorted(commits.values(), key=lambda c: c["first"], reverse=True)
     for entry in commit_list:
         entry["branches"] = ", ".join(sorted(entry["branches"]))
+        entry["first"] = _when(entry["first"])
         entry["suites"] = list(entry["suites"].values())
     return {"suites": suites, "runs": run_rows[::-1], "environments": list(environments.values()),
             "commits": commit_list, "warnings": [w for run in runs for w in run.warnings]}

@@ -103,7 +103,14 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         figures = build()
         section.figures += figures
         if not figures and view in MISSING:
-            section.missing.append(MISSING[view])
+            section.missing.append(_missing(view, rows))
+
+
+def _missing(view: str, rows: Sequence[Row]) -> str:
+    if view == "memory" and any(r.status == "ok" and r.peak_bytes is not None for r in rows):
+        return ("memory: every measured peak was <= 0 bytes above the inputs (the allocator reused memory); "
+                "nothing to draw on a log axis")
+    return MISSING[view]
 
 
 def _one(figure: Figure | None) -> list[Figure]:

@@ -17,7 +17,17 @@ from itertools import pairwise
 
 from bench.dashboard.data import BASELINES, Row, SeriesKey, pair_key, params_label, series_of, varying_keys
 from bench.dashboard.escaping import plot_text
-from bench.dashboard.figures import Colours, Figure, axis, base_layout, format_seconds, hover, provenance, trace_style
+from bench.dashboard.figures import (
+    Colours,
+    Figure,
+    axis,
+    base_layout,
+    format_seconds,
+    hover,
+    label_variants,
+    provenance,
+    trace_style,
+)
 
 HOW = ("linear interpolation of t_impl / t_baseline in density between the two measured densities around "
        "the crossing of 1; bounds where it never crosses")
@@ -106,8 +116,9 @@ def breakeven_figures(rows: Sequence[Row], colours: Colours) -> list[Figure]:
         groups.setdefault(_summary_key(it, label_keys), []).append(it)
     traces = []
     symbols = {"exact": "circle", "above": "triangle-up-open", "below": "triangle-down-open"}
+    variants = label_variants(key for key, _ in groups)
     for (key, baseline), its in groups.items():
-        style = trace_style(key, colours(key.impl))
+        style = trace_style(key, colours(key.impl), variants[key.label])
         style["line"]["dash"] = "solid" if baseline == BASELINES[0] else "dashdot"
         style["marker"]["symbol"] = [symbols[it.bound] for it in its]
         style["marker"]["size"] = 10
@@ -126,10 +137,11 @@ def breakeven_figures(rows: Sequence[Row], colours: Colours) -> list[Figure]:
     # how it was found: the time ratio against density, crossing 1
     traces = [{"type": "scatter", "mode": "lines", "name": "ratio 1 (break-even)", "x": [0, 1], "y": [1, 1],
                "line": {"color": "#444444", "dash": "dash", "width": 1}, "hoverinfo": "skip"}]
+    variants = label_variants(it.key for it in items)
     for it in items:
         key = it.key
-        style = trace_style(key, colours(key.impl))
-        name = plot_text(f"{key.name()} vs {it.baseline}, N={it.seq_len}")
+        style = trace_style(key, colours(key.impl), variants[key.label])
+        name = plot_text(f"{key.name()} vs {it.baseline}")
         texts = [hover([f"<b>{name}</b>", f"p={p.density:g}: x{p.ratio:.3g} of {it.baseline}'s time "
                         f"({format_seconds(p.row.median_s)} / {format_seconds(p.baseline.median_s)})",
                         plot_text(f"run {p.row.run_id}")]) for p in it.points]

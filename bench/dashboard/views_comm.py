@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 from bench.dashboard.data import Row, SeriesKey, series_of
 from bench.dashboard.escaping import plot_text
-from bench.dashboard.figures import Colours, Figure, axis, base_layout, format_bytes, provenance, row_hover, trace_style
+from bench.dashboard.figures import (
+    Colours,
+    Figure,
+    axis,
+    base_layout,
+    format_bytes,
+    label_variants,
+    provenance,
+    row_hover,
+    trace_style,
+)
 
 
 @dataclass(frozen=True)
@@ -50,9 +60,10 @@ def comm_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     if not series:
         return None
     traces = []
+    variants = label_variants(s.key for s in series)
     for s in series:
         name = plot_text(s.key.name())
-        style = trace_style(s.key, colours(s.key.impl))
+        style = trace_style(s.key, colours(s.key.impl), variants[s.key.label])
         expected = [(w, e) for w, e in zip(s.world_size, s.expected_bytes, strict=True) if e is not None]
         if expected:
             traces.append({"type": "scatter", "mode": "lines", "name": f"{name} closed form",

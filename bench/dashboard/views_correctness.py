@@ -89,8 +89,9 @@ def correctness_figure(rows: Sequence[Row]) -> Figure | None:
                        "marker": {"symbol": "square", "size": 12, "color": colour}, "hoverinfo": "skip"})
     prov = provenance(rows)
     counts = {s: sum(r.status == s for r in rows) for s in STATUS_CODE}
-    layout = base_layout("Correctness against the float64 oracle", prov, height=170 + 32 * len(y))
-    layout["margin"]["b"] = 110
+    layout = base_layout("Correctness against the float64 oracle", prov, height=max(260, 150 + 30 * len(y)))
+    layout["margin"]["b"] = 20
+    layout["legend"] = {"orientation": "h", "x": 1, "xanchor": "right", "y": 1.02, "yanchor": "bottom"}
     layout["xaxis"] = axis("case", type="category", tickangle=-35, automargin=True)
     layout["yaxis"] = axis("", type="category", automargin=True, autorange="reversed")
     summary = ", ".join(f"{c} {s}" for s, c in counts.items() if c)

@@ -8,7 +8,17 @@ from dataclasses import dataclass
 
 from bench.dashboard.data import Row, SeriesKey, series_of, sort_key
 from bench.dashboard.escaping import plot_text
-from bench.dashboard.figures import Colours, Figure, axis, base_layout, format_bytes, provenance, row_hover, trace_style
+from bench.dashboard.figures import (
+    Colours,
+    Figure,
+    axis,
+    base_layout,
+    format_bytes,
+    label_variants,
+    provenance,
+    row_hover,
+    trace_style,
+)
 
 # Marker of each kind of unmeasured case on the strip: (symbol, colour).
 MARK_STYLE = {"skipped": ("x-thin-open", "#7f7f7f"), "out of memory": ("triangle-up", "#d62728"),
@@ -69,13 +79,14 @@ def memory_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     if data is None:
         return None
     traces = []
+    variants = label_variants(s.key for s in data.series)
     for s in data.series:
         name = plot_text(s.key.name())
         texts = [row_hover(r, f"peak {format_bytes(r.peak_bytes)} above the inputs"
                               + (f" ({plot_text(r.memory_method)})" if r.memory_method else "")) for r in s.rows]
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": s.seq_len, "y": s.peak_bytes,
                        "hovertext": texts, "hoverinfo": "text", "xaxis": "x", "yaxis": "y",
-                       **trace_style(s.key, colours(s.key.impl))})
+                       **trace_style(s.key, colours(s.key.impl), variants[s.key.label])})
     strip_impls = sorted({m.row.impl for m in data.marks}, key=sort_key)
     for kind, (symbol, colour) in MARK_STYLE.items():
         marks = [m for m in data.marks if m.kind == kind]
@@ -89,13 +100,16 @@ def memory_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
                        "hoverinfo": "text", "marker": {"symbol": symbol, "color": colour, "size": 10},
                        "xaxis": "x", "yaxis": "y2"})
     prov = provenance([r for s in data.series for r in s.rows] + [m.row for m in data.marks])
-    has_strip = bool(data.marks)
-    layout = base_layout("Peak memory against sequence length", prov, height=470 if has_strip else 430)
+    # the memory axis on top, the strip of unmeasured cases below it; each takes all the room when alone
+    has_strip, has_series = bool(data.marks), bool(data.series)
+    strip_top = 0.24 if has_series else 1.0
+    layout = base_layout("Peak memory against sequence length", prov,
+                         height=470 if has_strip and has_series else 430 if has_series else 150 + 40 * len(strip_impls))
     layout["xaxis"] = axis("sequence length N", log=True, anchor="y2" if has_strip else "y")
     layout["yaxis"] = axis("peak memory above inputs [bytes]", log=True, exponentformat="SI",
-                           domain=[0.32, 1.0] if has_strip else [0.0, 1.0])
+                           domain=[0.32 if has_strip else 0.0, 1.0], visible=has_series)
     if has_strip:
-        layout["yaxis2"] = axis("not measured", type="category", domain=[0.0, 0.24],
+        layout["yaxis2"] = axis("not measured", type="category", domain=[0.0, strip_top],
                                 categoryorder="array", categoryarray=[plot_text(i) for i in strip_impls])
     notes = []
     if data.not_positive:
@@ -121,6 +135,7 @@ def peak_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     if not series:
         return None
     traces = []
+    variants = label_variants(series)
     for key, members in series.items():
         texts = []
         for r in members:
@@ -132,7 +147,8 @@ def peak_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
         traces.append({"type": "scatter", "mode": "lines+markers", "name": plot_text(key.name()),
                        "x": [int(r.params["seq_len"]) for r in members],
                        "y": [100 * float(r.peak_fraction) for r in members],  # type: ignore[arg-type]
-                       "hovertext": texts, "hoverinfo": "text", **trace_style(key, colours(key.impl))})
+                       "hovertext": texts, "hoverinfo": "text",
+                       **trace_style(key, colours(key.impl), variants[key.label])})
     prov = provenance(r for members in series.values() for r in members)
     layout = base_layout("Fraction of hardware peak FLOP rate", prov)
     layout["xaxis"] = axis("sequence length N", log=True)

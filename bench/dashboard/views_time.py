@@ -25,6 +25,7 @@ from bench.dashboard.figures import (
     axis,
     base_layout,
     format_seconds,
+    label_variants,
     provenance,
     row_hover,
     trace_style,
@@ -72,11 +73,18 @@ def time_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     if not series:
         return None
     traces = []
+    variants = label_variants(s.key for s in series)
+    single_n = len({n for s in series for n in s.seq_len}) == 1  # one length: a category, CIs as error bars
     for s in series:
         name = plot_text(s.key.name())
-        style = trace_style(s.key, colours(s.key.impl))
+        style = trace_style(s.key, colours(s.key.impl), variants[s.key.label])
         xs, lo, hi = s.band()
-        if xs:
+        if single_n:
+            pairs = [(r.ci95_s, float(r.median_s)) for r in s.rows]  # type: ignore[arg-type]
+            style["error_y"] = {"type": "data", "symmetric": False, "color": colours(s.key.impl),
+                                "array": [ci[1] - m if ci else 0 for ci, m in pairs],
+                                "arrayminus": [m - ci[0] if ci else 0 for ci, m in pairs]}
+        elif xs:
             traces.append({"type": "scatter", "x": xs + xs[::-1], "y": hi + lo[::-1], "fill": "toself",
                            "fillcolor": rgba(colours(s.key.impl), 0.15), "line": {"width": 0}, "hoverinfo": "skip",
                            "showlegend": False, "legendgroup": name, "name": f"{name} 95% CI"})
@@ -85,10 +93,11 @@ def time_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
             ci = f" [{format_seconds(r.ci95_s[0])}, {format_seconds(r.ci95_s[1])}]" if r.ci95_s else ""
             texts.append(row_hover(r, f"median {format_seconds(r.median_s)}{ci} over {r.samples} samples"))
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "legendgroup": name,
-                       "x": s.seq_len, "y": s.median_s, "hovertext": texts, "hoverinfo": "text", **style})
+                       "x": [f"N={n}" for n in s.seq_len] if single_n else s.seq_len, "y": s.median_s,
+                       "hovertext": texts, "hoverinfo": "text", **style})
     prov = provenance(r for s in series for r in s.rows)
     layout = base_layout("Time per call against sequence length", prov)
-    layout["xaxis"] = axis("sequence length N", log=True)
+    layout["xaxis"] = axis("sequence length N", type="category") if single_n else axis("sequence length N", log=True)
     layout["yaxis"] = axis("time per call [s] (median, band: 95% CI)", log=True, exponentformat="SI")
     return Figure("time", "Time per call against sequence length (log-log; band: 95% CI of the median)",
                   prov.text(), {"data": traces, "layout": layout})
@@ -156,7 +165,7 @@ def speedup_data(rows: Sequence[Row]) -> SpeedupData | None:
 def _grid_domains(n: int, columns: int) -> list[tuple[list[float], list[float]]]:
     """(x domain, y domain) of n panels in a grid, row-major from the top, with gaps between them."""
     rows = math.ceil(n / columns)
-    gap_x, gap_y = 0.06, 0.12
+    gap_x, gap_y = 0.06, 0.16
     width, height = (1 - gap_x * (columns - 1)) / columns, (1 - gap_y * (rows - 1)) / rows
     out = []
     for i in range(n):
@@ -178,8 +187,10 @@ def speedup_figure(rows: Sequence[Row]) -> Figure | None:
     prov = provenance(r for p in data.panels for c in p.cells for r in (c.row, c.baseline))
     layout = base_layout(f"Speedup over {data.baseline}", prov,
                          height=140 + 260 * math.ceil(len(data.panels) / columns))
-    ticks = [v for v in range(-math.ceil(span), math.ceil(span) + 1)]
-    layout["coloraxis"] = {"colorscale": "RdBu", "cmin": -span, "cmax": span, "cmid": 0,
+    step = max(1, math.ceil(2 * span / 8))  # at most ~9 ticks, at powers of two
+    ticks = list(range(-step * math.floor(span / step), math.floor(span) + 1, step))
+    # plotly's RdBu runs blue (low) to red (high); reversed, faster (log2 speedup > 0) is blue
+    layout["coloraxis"] = {"colorscale": "RdBu", "reversescale": True, "cmin": -span, "cmax": span, "cmid": 0,
                            "colorbar": {"title": {"text": f"x over {plot_text(data.baseline)}"},
                                         "tickvals": ticks, "ticktext": [f"x{2.0 ** v:g}" for v in ticks]}}
     layout["annotations"] = []
@@ -204,8 +215,11 @@ def speedup_figure(rows: Sequence[Row]) -> Figure | None:
                        "texttemplate": "%{text}", "hovertext": hovers, "hoverinfo": "text",
                        "coloraxis": "coloraxis", "xaxis": f"x{suffix}", "yaxis": f"y{suffix}",
                        "name": plot_text(panel.key.name())})
-        layout[f"xaxis{suffix}"] = axis("sequence length", domain=xd, anchor=f"y{suffix}", type="category")
-        layout[f"yaxis{suffix}"] = axis(y_name, domain=yd, anchor=f"x{suffix}", type="category")
+        last_row = i >= len(data.panels) - columns
+        layout[f"xaxis{suffix}"] = axis("sequence length" if last_row else "", domain=xd, anchor=f"y{suffix}",
+                                        type="category")
+        layout[f"yaxis{suffix}"] = axis(y_name if i % columns == 0 else "", domain=yd, anchor=f"x{suffix}",
+                                        type="category")
         layout["annotations"].append({"text": plot_text(panel.key.name()), "xref": "paper", "yref": "paper",
                                       "x": (xd[0] + xd[1]) / 2, "y": yd[1], "yanchor": "bottom",
                                       "xanchor": "center", "showarrow": False, "font": {"size": 12}})
