@@ -220,4 +220,8 @@ def test_hostile_strings_render_as_text_and_run_nothing(context: BrowserContext,
         assert page.evaluate("() => document.querySelectorAll('script').length") == (3 if path != dashboard /
                                                                                      "index.html" else 0)
         assert log.dialogs == [] and log.errors == [] and log.remote == []
+        # defence in depth: the page's Content-Security-Policy refuses inline script even if one got in
+        ran = page.evaluate("""() => { const s = document.createElement('script');
+            s.textContent = 'window.__inline = 1'; document.body.appendChild(s); return window.__inline; }""")
+        assert ran is None and any("Content Security Policy" in e for e in log.errors)
         page.close()

@@ -130,6 +130,19 @@ def test_speedup_over_dense_by_window_and_density(runs) -> None:
     assert heat["y"] == [str(d) for d in store.DENSITIES] and heat["x"] == ["N=128", "N=256", "N=512"]
 
 
+@pytest.mark.parametrize(("pattern", "axis"), [("local", "window"), ("block_random", "density"),
+                                               ("bigbird", "density"), ("causal", None)])
+def test_speedup_axis_is_the_pattern_field_when_nothing_varies(pattern: str, axis: str | None, tmp_path: Path) -> None:
+    """One case per pattern (as the smoke suite has): the axis is the field the pattern reads, from its label."""
+    from bench.case import Case
+    from bench.dashboard.views_time import speedup_y_key
+
+    case = Case(pattern=pattern, seq_len=128, window=16, density=0.25, block_size=32, global_tokens=2)
+    row = rows_from_runs([load_run(write_run(tmp_path, commit=commit_id(1), records=[
+        record(case.case_id, "dense", store.samples(1e-3), params=case.params())]))])[0]
+    assert speedup_y_key([row]) == axis
+
+
 def test_speedup_falls_back_to_sdpa_and_says_so(runs) -> None:
     rows = [r for r in facet_rows(runs["sweep"], "local") if r.impl != "dense"]
     data = speedup_data(rows)

@@ -125,6 +125,19 @@ def axis(title: str, *, log: bool = False, **extra: Any) -> dict[str, Any]:
     return out
 
 
+class SeqLenAxis:
+    """The x axis of the views over sequence length: log when several lengths are shown, else one category
+    (a log axis around a single point picks a meaningless range)."""
+
+    def __init__(self, lengths: Iterable[int], **extra: Any) -> None:
+        self.single = len(set(lengths)) <= 1
+        self.layout = (axis("sequence length N", type="category", **extra) if self.single
+                       else axis("sequence length N", log=True, **extra))
+
+    def __call__(self, lengths: Sequence[int]) -> list[int] | list[str]:
+        return [f"N={n}" for n in lengths] if self.single else list(lengths)
+
+
 def hover(lines: Sequence[str]) -> str:
     """Hover text from lines that are already escaped (use `plot_text` on data first)."""
     return "<br>".join(lines)

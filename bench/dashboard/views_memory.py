@@ -11,6 +11,7 @@ from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import (
     Colours,
     Figure,
+    SeqLenAxis,
     axis,
     base_layout,
     format_bytes,
@@ -79,12 +80,15 @@ def memory_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     if data is None:
         return None
     traces = []
+    x_axis = SeqLenAxis([n for s in data.series for n in s.seq_len]
+                        + [int(m.row.params["seq_len"]) for m in data.marks])
     variants = label_variants(s.key for s in data.series)
     for s in data.series:
         name = plot_text(s.key.name())
         texts = [row_hover(r, f"peak {format_bytes(r.peak_bytes)} above the inputs"
                               + (f" ({plot_text(r.memory_method)})" if r.memory_method else "")) for r in s.rows]
-        traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": s.seq_len, "y": s.peak_bytes,
+        traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": x_axis(s.seq_len),
+                       "y": s.peak_bytes,
                        "hovertext": texts, "hoverinfo": "text", "xaxis": "x", "yaxis": "y",
                        **trace_style(s.key, colours(s.key.impl), variants[s.key.label])})
     strip_impls = sorted({m.row.impl for m in data.marks}, key=sort_key)
@@ -93,7 +97,7 @@ def memory_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
         if not marks:
             continue
         traces.append({"type": "scatter", "mode": "markers", "name": f"{kind} (no memory figure)",
-                       "x": [int(m.row.params["seq_len"]) for m in marks],
+                       "x": x_axis([int(m.row.params["seq_len"]) for m in marks]),
                        "y": [plot_text(m.row.impl) for m in marks],
                        "hovertext": [row_hover(m.row, f"<b>{kind}</b>: {plot_text(m.row.reason or 'no reason given')}")
                                      for m in marks],
@@ -105,7 +109,7 @@ def memory_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     strip_top = 0.24 if has_series else 1.0
     layout = base_layout("Peak memory against sequence length", prov,
                          height=470 if has_strip and has_series else 430 if has_series else 150 + 40 * len(strip_impls))
-    layout["xaxis"] = axis("sequence length N", log=True, anchor="y2" if has_strip else "y")
+    layout["xaxis"] = {**x_axis.layout, "anchor": "y2" if has_strip else "y"}
     layout["yaxis"] = axis("peak memory above inputs [bytes]", log=True, exponentformat="SI",
                            domain=[0.32 if has_strip else 0.0, 1.0], visible=has_series)
     if has_strip:
@@ -135,6 +139,7 @@ def peak_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     if not series:
         return None
     traces = []
+    x_axis = SeqLenAxis(int(r.params["seq_len"]) for members in series.values() for r in members)
     variants = label_variants(series)
     for key, members in series.items():
         texts = []
@@ -145,13 +150,13 @@ def peak_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
                                    plot_text(f"peak: {r.peak_source or '?'}"
                                              + (f", {r.peak_hardware}" if r.peak_hardware else ""))))
         traces.append({"type": "scatter", "mode": "lines+markers", "name": plot_text(key.name()),
-                       "x": [int(r.params["seq_len"]) for r in members],
+                       "x": x_axis([int(r.params["seq_len"]) for r in members]),
                        "y": [100 * float(r.peak_fraction) for r in members],  # type: ignore[arg-type]
                        "hovertext": texts, "hoverinfo": "text",
                        **trace_style(key, colours(key.impl), variants[key.label])})
     prov = provenance(r for members in series.values() for r in members)
     layout = base_layout("Fraction of hardware peak FLOP rate", prov)
-    layout["xaxis"] = axis("sequence length N", log=True)
+    layout["xaxis"] = x_axis.layout
     layout["yaxis"] = axis("useful FLOP rate / peak [%]", rangemode="tozero")
     return Figure("peak", "Fraction of the hardware's peak FLOP rate (useful FLOPs: 4·B·H·nnz·D forward)",
                   prov.text(), {"data": traces, "layout": layout})

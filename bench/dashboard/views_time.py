@@ -22,6 +22,7 @@ from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import (
     Colours,
     Figure,
+    SeqLenAxis,
     axis,
     base_layout,
     format_seconds,
@@ -30,7 +31,6 @@ from bench.dashboard.figures import (
     row_hover,
     trace_style,
 )
-from bench.patterns import PATTERNS
 
 # ---------------------------------------------------------------------------------------------------------
 # time against sequence length
@@ -74,7 +74,8 @@ def time_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
         return None
     traces = []
     variants = label_variants(s.key for s in series)
-    single_n = len({n for s in series for n in s.seq_len}) == 1  # one length: a category, CIs as error bars
+    x_axis = SeqLenAxis(n for s in series for n in s.seq_len)
+    single_n = x_axis.single  # one length: CIs as error bars instead of a band
     for s in series:
         name = plot_text(s.key.name())
         style = trace_style(s.key, colours(s.key.impl), variants[s.key.label])
@@ -93,11 +94,11 @@ def time_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
             ci = f" [{format_seconds(r.ci95_s[0])}, {format_seconds(r.ci95_s[1])}]" if r.ci95_s else ""
             texts.append(row_hover(r, f"median {format_seconds(r.median_s)}{ci} over {r.samples} samples"))
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "legendgroup": name,
-                       "x": [f"N={n}" for n in s.seq_len] if single_n else s.seq_len, "y": s.median_s,
+                       "x": x_axis(s.seq_len), "y": s.median_s,
                        "hovertext": texts, "hoverinfo": "text", **style})
     prov = provenance(r for s in series for r in s.rows)
     layout = base_layout("Time per call against sequence length", prov)
-    layout["xaxis"] = axis("sequence length N", type="category") if single_n else axis("sequence length N", log=True)
+    layout["xaxis"] = x_axis.layout
     layout["yaxis"] = axis("time per call [s] (median, band: 95% CI)", log=True, exponentformat="SI")
     return Figure("time", "Time per call against sequence length (log-log; band: 95% CI of the median)",
                   prov.text(), {"data": traces, "layout": layout})
@@ -135,9 +136,28 @@ def speedup_y_key(rows: Sequence[Row]) -> str | None:
     for key in ("density", "window"):
         if key in varying:
             return key
-    pattern = PATTERNS.get(str(rows[0].params.get("pattern"))) if rows else None
-    fields = pattern.fields if pattern else ()
+    fields = pattern_fields(rows[0]) if rows else set()
     return next((key for key in ("density", "window") if key in fields), None)
+
+
+def pattern_fields(row: Row) -> set[str]:
+    """The fields the case's pattern reads, from the pattern label that starts its case id.
+
+    `bench.case` writes ids as `<pattern label>-n<N>-...` and the label carries exactly the pattern's fields
+    (`local_w64`, `block_random_p0.1_b64_s0`: see Pattern.label). Reading them here keeps torch (which
+    bench.patterns imports) out of the dashboard.
+    """
+    label, pattern = row.case_id.split("-", 1)[0], str(row.params.get("pattern"))
+    if not label.startswith(pattern + "_"):
+        return set()
+    short = {"w": "window", "p": "density", "b": "block_size", "d": "dilation",
+             "g": "global_tokens", "s": "seed"}
+    out = set()
+    for part in label[len(pattern) + 1:].split("_"):
+        letters = part.rstrip("0123456789.e+-")
+        if letters in short:
+            out.add(short[letters])
+    return out
 
 
 def speedup_data(rows: Sequence[Row]) -> SpeedupData | None:
