@@ -128,6 +128,13 @@ def undrawn_figures(page: Page) -> list[str]:
         .map(div => div.getAttribute('data-figure'))""")
 
 
+EXPECTED_VIEWS = {"suite-sweep.html": {"time", "speedup", "memory", "breakeven", "breakeven_ratio", "correctness"},
+                  "suite-multi.html": {"time", "comm", "correctness"},
+                  "suite-h100.html": {"time", "speedup", "peak", "correctness"},
+                  "suite-nightly.html": {"time", "speedup", "correctness", "history"},
+                  "suite-real.html": {"time", "speedup", "correctness"}}
+
+
 def test_every_page_loads_offline_and_draws_every_figure(context: BrowserContext, dashboard: Path) -> None:
     pages = sorted(dashboard.glob("*.html"))
     assert len(pages) == 7  # index + sweep, multi, h100, nightly, hostile, real
@@ -139,27 +146,21 @@ def test_every_page_loads_offline_and_draws_every_figure(context: BrowserContext
         assert log.errors == [], (path.name, log.errors)
         assert log.remote == [], (path.name, log.remote)
         assert any(u.endswith("/assets/plotly.min.js") for u in log.requests) or path.name == "index.html"
+        views = set(page.eval_on_selector_all("figure.view", "els => els.map(e => e.className.split('view-')[1])"))
+        assert EXPECTED_VIEWS.get(path.name, set()) <= views, (path.name, views)
         page.close()
     assert total >= 25
 
 
-def test_views_are_on_their_pages(context: BrowserContext, dashboard: Path) -> None:
-    expected = {"suite-sweep.html": {"time", "speedup", "memory", "breakeven", "breakeven_ratio", "correctness"},
-                "suite-multi.html": {"time", "comm", "correctness"},
-                "suite-h100.html": {"time", "speedup", "peak", "correctness"},
-                "suite-nightly.html": {"time", "speedup", "correctness", "history"},
-                "suite-real.html": {"time", "speedup", "correctness"}}
-    for name, views in expected.items():
-        page, _ = open_page(context, dashboard / name)
-        found = set(page.eval_on_selector_all("figure.view", "els => els.map(e => e.className.split('view-')[1])"))
-        assert views <= found, (name, found)
-        page.close()
+def test_model_figures_say_model(context: BrowserContext, dashboard: Path) -> None:
     page, _ = open_page(context, dashboard / "suite-h100.html")
     assert page.locator("section.facet h2 .badge.model").inner_text() == "MODEL"
     draw_all(page)
     titles = page.locator(".plot .gtitle").all_text_contents()
     assert len(titles) == page.locator(".plot").count() >= 4
     assert all(t.startswith("MODEL - ") and "MODEL (not measured)" in t and store.H100 in t for t in titles)
+    legend = page.locator("figure:not(.view-correctness) .plot .legendtext").all_text_contents()
+    assert legend and all(name.endswith("[model]") for name in legend)
     page.close()
 
 

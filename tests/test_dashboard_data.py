@@ -325,6 +325,26 @@ def test_hostile_strings_reach_figures_only_escaped(tmp_path: Path) -> None:
         assert "<script" not in dumped and "<img" not in dumped and "&lt;script&gt;" in dumped
 
 
+def test_odd_records_render_without_crashing(tmp_path: Path) -> None:
+    """Records are data: parameters of the wrong type, missing or out of range never stop the render."""
+    odd = [record("a", "dense", store.samples(1e-3), params={"seq_len": "big", "pattern": None, "window": [1, 2]}),
+           record("b", "dense", store.samples(1e-3), params={}),
+           record("c", "csr", store.samples(2e-3), params=params("block_random", 128, density=True)),
+           record("d", "dense", store.samples(1e-3), params=params("block_random", 128, density=0.5),
+                  memory={"peak_bytes": -5}),
+           record("e", "csr", [0.0] * 6, params=params("block_random", 128, density=0.5)),
+           record("f", "x", store.samples(1e-3), params=params("local", 128, world_size="4"),
+                  comm={"backend": "gloo", "bytes_total": 0, "bytes_max_rank": 0, "by_op": {}}),
+           record("g", "dense", store.samples(1e-3), params=params("local", -1))]
+    run = load_run(write_run(tmp_path, commit=commit_id(1), records=odd))
+    result = build_dashboard([run], tmp_path / "out")
+    html = result.pages[0].read_text()
+    data = json.loads(re.search(r'type="application/json">(.*?)</script>', html, re.S).group(1))
+    assert data["figures"]
+    for figure in data["figures"].values():
+        go.Figure(figure)
+
+
 # --- pages and the command line -----------------------------------------------------------------------------
 
 
