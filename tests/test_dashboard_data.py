@@ -108,7 +108,7 @@ def test_time_figure_draws_band_and_labels_interpreter(runs) -> None:
     assert layout["xaxis"]["type"] == "log" and layout["yaxis"]["type"] == "log"
     bands = [t for t in fig.plotly["data"] if t.get("fill") == "toself"]
     assert len(bands) == len([t for t in fig.plotly["data"] if t.get("mode") == "lines+markers"])
-    triton = [t for t in fig.plotly["data"] if "interpreter" in t["name"] and t.get("mode")]
+    triton = [t for t in fig.plotly["data"] if "interpreter" in t["name"] and t.get("mode") == "lines+markers"]
     assert triton and triton[0]["line"]["dash"] == "dot"
     assert "Triton interpreter" in fig.provenance and "measured" in fig.provenance
 
@@ -300,6 +300,8 @@ def test_models_never_enter_history(runs) -> None:
 def test_provenance_names_device_backend_commit_and_kind(runs) -> None:
     text = provenance(rows_from_runs([runs["comm"]])).text()
     assert text == f"measured · device {store.CPU} · backend cpu, comm gloo · commit {commit_id(3)[:7]}"
+    model = provenance(rows_from_runs([runs["model"]])).text()
+    assert model == f"MODEL (not measured) · device {store.H100} · backend model · commit {commit_id(3)[:7]}"
 
 
 def test_escaping() -> None:

@@ -45,7 +45,7 @@ class Row:
     commit: str | None
     dirty: bool
     fingerprint: str
-    backend: str  # the run's device kind (env.backend): cpu | cuda | ...
+    backend: str  # the run's device kind (env.backend): cpu | cuda | ...; "model" for a modelled record
     case_id: str
     impl: str
     params: dict[str, Any]
@@ -120,7 +120,8 @@ def row_from_record(run: Run, record: Record) -> Row:
         ci = (float(time_s.ci95[0]), float(time_s.ci95[1]))
     return Row(
         suite=info.suite.name, run_id=info.run_id, started_at=info.started_at, commit=run_commit(run),
-        dirty=bool(git.get("dirty")), fingerprint=run_fingerprint(run), backend=str(info.env.get("backend") or "?"),
+        dirty=bool(git.get("dirty")), fingerprint=run_fingerprint(run),
+        backend="model" if modelled else str(info.env.get("backend") or "?"),
         case_id=record.case_id, impl=record.impl, params=dict(record.params), status=record.status,
         reason=record.reason, source="modelled" if modelled else "measured", device=_device_of(record, run),
         interpreter=record.interpreter,

@@ -86,7 +86,7 @@ def time_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
                                 "array": [ci[1] - m if ci else 0 for ci, m in pairs],
                                 "arrayminus": [m - ci[0] if ci else 0 for ci, m in pairs]}
         elif xs:
-            traces.append({"type": "scatter", "x": xs + xs[::-1], "y": hi + lo[::-1], "fill": "toself",
+            traces.append({"type": "scatter", "mode": "lines", "x": xs + xs[::-1], "y": hi + lo[::-1], "fill": "toself",
                            "fillcolor": rgba(colours(s.key.impl), 0.15), "line": {"width": 0}, "hoverinfo": "skip",
                            "showlegend": False, "legendgroup": name, "name": f"{name} 95% CI"})
         texts = []
