@@ -190,6 +190,14 @@ def test_filters_show_only_matching_sections(context: BrowserContext, dashboard:
     assert page.locator("section.facet:not([hidden])").count() == 1
     devices = page.locator("select[data-filter=device] option").all_inner_texts()
     assert devices == ["all (1)", store.CPU]
+    assert page.evaluate("() => window.location.hash") == "#dtype=float16"
+    page.close()
+    # a link with filters in its fragment opens filtered; unknown values fall back to "all"
+    page = context.new_page()
+    page.goto((dashboard / "suite-sweep.html").as_uri() + "#pattern=block_random&mode=nonsense", wait_until="load")
+    visible = page.locator("section.facet:not([hidden])")
+    assert visible.count() == 1 and visible.first.get_attribute("data-pattern") == "block_random"
+    assert page.locator("select[data-filter=mode]").input_value() == ""
     page.close()
 
 

@@ -35,6 +35,25 @@
   var count = document.getElementById("shown-count");
   var noMatch = document.getElementById("no-match");
 
+  // The filters live in the URL fragment (#pattern=local&mode=fwd), so a filtered view can be linked to.
+  function readHash() {
+    var wanted = new URLSearchParams(window.location.hash.slice(1));
+    selects.forEach(function (select) {
+      var value = wanted.get(select.getAttribute("data-filter"));
+      var known = Array.prototype.some.call(select.options, function (o) { return o.value === value; });
+      select.value = value !== null && known ? value : "";
+    });
+  }
+
+  function writeHash() {
+    var params = new URLSearchParams();
+    selects.forEach(function (select) {
+      if (select.value !== "") { params.set(select.getAttribute("data-filter"), select.value); }
+    });
+    var hash = params.toString();
+    history.replaceState(null, "", hash ? "#" + hash : window.location.pathname + window.location.search);
+  }
+
   function applyFilters() {
     var shown = 0;
     sections.forEach(function (section) {
@@ -48,6 +67,10 @@
     if (count) { count.textContent = shown + " of " + sections.length + " sections shown"; }
     if (noMatch) { noMatch.hidden = shown !== 0; }
   }
-  selects.forEach(function (select) { select.addEventListener("change", applyFilters); });
+  selects.forEach(function (select) {
+    select.addEventListener("change", function () { writeHash(); applyFilters(); });
+  });
+  window.addEventListener("hashchange", function () { readHash(); applyFilters(); });
+  readHash();
   applyFilters();
 })();
