@@ -91,6 +91,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return profile_command(Path(args.suite), args.impl, args.case, out, args.device, make_console())
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from bench.dashboard import dashboard_command
+
+    return dashboard_command(args.runs, Path(args.output), Path(args.results), make_console())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -135,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["pytest-benchmark", "csv"])
     p.add_argument("-o", "--output", metavar="FILE", help="output file (default: stdout)")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("dashboard", help="Plotly HTML pages of the results (offline; open DIR/index.html)")
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (default: every run in --results)")
+    p.add_argument("-o", "--output", default="dashboards", metavar="DIR", help="output directory (default: dashboards)")
+    p.add_argument("--results", default="results", metavar="DIR", help="results store (default: results)")
+    p.set_defaults(func=_cmd_dashboard)
 
     p = sub.add_parser("env", help="what was detected: GPUs, drivers, versions, git state")
     p.set_defaults(func=_cmd_env)
