@@ -48,6 +48,10 @@ def test_sigkilled_at_random_moments_then_resumed_nothing_is_lost(tmp_path):
             args += ["--resume", str(run_dir)]
         proc = subprocess.Popen(bench_cmd(*args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
+        if run_dir is None:  # the first run: let it create its run directory, or a loaded machine never gets there
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None and not list(results.glob("*/run.json")):
+                time.sleep(0.02)
         time.sleep(rng.uniform(0.05, 2.5))
         if proc.poll() is None:
             proc.kill()
@@ -55,9 +59,8 @@ def test_sigkilled_at_random_moments_then_resumed_nothing_is_lost(tmp_path):
         proc.wait()
         if run_dir is None:
             started = [d for d in results.iterdir() if (d / "run.json").exists()] if results.exists() else []
-            run_dir = started[0] if started else None  # killed before run.json existed: start afresh
-            if run_dir is None:
-                continue
+            assert started, "the first run never wrote its run.json"
+            run_dir = started[0]
         count, torn = complete_lines(run_dir / "records.jsonl")
         torn_seen += torn
         assert count >= measured_before, "records were lost"
