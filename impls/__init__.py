@@ -4,4 +4,5 @@ Optional dependencies are imported lazily inside the implementations, so a missi
 implementation report itself unavailable instead of breaking `import impls`.
 """
 
+import impls.triton_block_sparse  # noqa: F401
 from impls import dense, naive_loop, sdpa  # noqa: F401
