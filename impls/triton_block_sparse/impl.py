@@ -11,8 +11,7 @@ from impls.triton_block_sparse import launch
 @register
 class TritonBlockSparse(Impl):
     name = "triton_block_sparse"
-    description = ("Triton FlashAttention-2-style kernels visiting only the pattern's tiles (lookup table), "
-                   "masking partial tiles by formula or bitmask; CPU runs them in the Triton interpreter")
+    description = "Triton block-sparse FlashAttention-2 (tile lookup table); on CPU via the Triton interpreter"
     fwd_bwd = True
 
     def __init__(self) -> None:

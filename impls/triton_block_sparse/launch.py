@@ -141,7 +141,7 @@ class _TableCache:
 
 
 TABLES = _TableCache()
-_TUNED: dict[tuple, TileConfig] = {}
+_TUNED: dict[tuple, tuple[TileConfig, dict[str, float | str]]] = {}
 
 
 def kernel_plan(pattern, config: TileConfig, base: int, device: torch.device) -> KernelPlan:
@@ -192,9 +192,9 @@ def _tune(kernel: str, configs: tuple[TileConfig, ...], shape_key: tuple, tuning
     from triton.testing import do_bench
 
     key = (kernel, *shape_key)
-    if key in _TUNED:
-        tuning[kernel] = "cached"
-        return kernel_plan(pattern, _TUNED[key], base, device)
+    if key in _TUNED:  # tuned earlier in this process (same pattern and shapes): keep its choice
+        config, tuning[kernel] = _TUNED[key]
+        return kernel_plan(pattern, config, base, device)
     timings: dict[str, float | str] = {}
     best: tuple[float, KernelPlan] | None = None
     for config in configs:
@@ -211,7 +211,7 @@ def _tune(kernel: str, configs: tuple[TileConfig, ...], shape_key: tuple, tuning
     tuning[kernel] = timings
     if best is None:
         raise RuntimeError(f"no {kernel} tile configuration ran on this GPU: {timings}")
-    _TUNED[key] = best[1].config
+    _TUNED[key] = (best[1].config, timings)
     return best[1]
 
 
