@@ -296,11 +296,12 @@ def test_record_says_interpreter_and_carries_the_config():
     assert record.interpreter is True
     config = record.config
     assert config["interpreter"] is True
+    tile = launch.INTERPRETER_CONFIG
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
-        assert (config[kernel]["block_m"], config[kernel]["block_n"]) == (64, 64)
-        assert config[kernel]["mask"] == "bitmask"  # 64-tiles over 32-blocks: irregular inside a tile
-    assert config["fwd"]["tiles_full"] + config["fwd"]["tiles_partial"] == int(
-        case.make_pattern().block_layout(64).sum())
+        assert (config[kernel]["block_m"], config[kernel]["block_n"]) == (tile.block_m, tile.block_n)
+        assert config[kernel]["mask"] == "bitmask"  # tiles over several 32-blocks: irregular inside a tile
+    case_tiles = make_pattern("block_random", 90, density=0.3, block_size=32).block_layout(tile.block_m)
+    assert config["fwd"]["tiles_full"] + config["fwd"]["tiles_partial"] == int(case_tiles.sum())
     assert record.error.rel_l2 <= record.error.tolerance == 1e-4
     table = summary_table([record], {case.case_id: case.label}, ["triton_block_sparse"])
     assert "Triton interpreter on CPU" in str(table.caption)
