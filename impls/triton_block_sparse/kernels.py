@@ -65,7 +65,8 @@ def _allowed(rows, cols, slot, mask_words, band_lo, band_hi, dilation, n_global,
 # two helpers per tile (the tile function and, in partial tiles, `_allowed`); loads and dots are inline.
 # DOT_F32 widens dot operands to float32: the interpreter keeps bfloat16 as raw uint16 and its dot multiplies
 # those bits, so on CPU bfloat16 tiles are multiplied as float32 - of values already rounded to bfloat16, so
-# the products are those of a bfloat16 tensor-core dot. Compiled kernels never set it.
+# each product equals a bfloat16 tensor-core dot's (only the summation order differs). Compiled kernels
+# never set it.
 
 # --- forward ------------------------------------------------------------------------------------------------
 
