@@ -4,7 +4,13 @@ Optional dependencies are imported lazily inside the implementations, so a missi
 implementation report itself unavailable instead of breaking `import impls`.
 """
 
-from impls import dense, naive_loop, sdpa  # noqa: F401
-
-# isort: split
-from impls import cp_allgather, cp_ring, cp_sparse, tp_heads  # noqa: F401
+from impls import (  # noqa: F401
+    cp_allgather,
+    cp_ring,
+    cp_sparse,
+    dense,
+    naive_loop,
+    sdpa,
+    tp_heads,
+    triton_block_sparse,
+)
