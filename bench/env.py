@@ -76,18 +76,14 @@ def versions() -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "triton": None, "cudnn": None, "nccl": None}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except Exception:  # a broken triton install must not stop the run
-        pass
+                           "cuda": torch.version.cuda, "cudnn": None, "nccl": None}
     if torch.cuda.is_available():
         out["cudnn"] = torch.backends.cudnn.version()
         with contextlib.suppress(Exception):  # torch built without NCCL
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    for name in ("numpy", "scipy", "pydantic", "nvidia-ml-py"):
+    # Installed versions from the package metadata: importing triton here would fix its interpreter-or-compiled
+    # mode for the whole process before the Triton implementation could choose it.
+    for name in ("triton", "numpy", "scipy", "pydantic", "nvidia-ml-py"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -180,11 +180,47 @@ def test_tile_configs_are_valid():
     assert launch.padded_head_dim(80) == 128 and launch.padded_head_dim(128) == 128
 
 
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**base, "PYTHONPATH": str(ROOT), **env})
+
+
+RUN_ONE_FORWARD = """
+import torch
+from bench.patterns import make_pattern
+from impls.triton_block_sparse import launch
+pattern = make_pattern("local", 40, window=8)
+q = torch.randn(1, 1, 40, 16)
+plan = launch.plan_attention(pattern, q, q, q, needs_grad=False)
+print(launch.BlockSparseAttention.apply(q, q, q, plan).shape)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without CUDA")
+def test_interpreter_mode_is_chosen_before_anything_imports_triton():
+    """Triton fixes its library functions' mode when first imported: importing impls first must make a later
+    triton import (FlexAttention's compiler, the environment capture) an interpreter-mode one."""
+    proc = _python("import impls\nimport triton.language as tl\nprint(type(tl.zeros).__name__)" + RUN_ONE_FORWARD)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "InterpretedFunction" in proc.stdout and "torch.Size([1, 1, 40, 16])" in proc.stdout
+    from bench.env import capture
+
+    assert "triton" in capture("cpu")["versions"]  # from package metadata, without importing triton
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without CUDA")
+def test_triton_imported_first_in_compiled_mode_is_a_clear_error():
+    proc = _python("import triton.language\n" + RUN_ONE_FORWARD)
+    assert proc.returncode != 0
+    assert "imported in this process before TRITON_INTERPRET=1 was set" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_every_candidate_compiles_for_hopper():
     """Ahead-of-time compilation to a cubin for sm_90 (no GPU needed): every kernel and tile candidate,
     bitmask variant (the largest), head_dim 128, within the per-block shared memory of H100/H200."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
     env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")  # fusion on: Triton 3.9's default, stated
     proc = subprocess.run([sys.executable, "-m", "impls.triton_block_sparse.compile_check", "--arch", "90",
                            "--head-dim", "128", "--dtype", "bfloat16"], cwd=ROOT, capture_output=True, text=True,

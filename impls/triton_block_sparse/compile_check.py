@@ -1,6 +1,7 @@
 """Compile the kernels for NVIDIA GPUs ahead of time, on any machine, without a GPU.
 
-Usage: `python -m impls.triton_block_sparse.compile_check [--arch 90] [--head-dim 128] [--dtype bfloat16]`.
+Usage: `TRITON_INTERPRET=0 python -m impls.triton_block_sparse.compile_check [--arch 90] [--head-dim 128]
+[--dtype bfloat16]` (TRITON_INTERPRET=0 keeps a machine without CUDA from choosing the interpreter).
 
 The interpreter proves the kernels' arithmetic; this proves what it cannot - that they pass Triton's compiler
 (types, layouts, pipelining) down to a cubin for a GPU architecture, for every candidate tile configuration,
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-kind", type=int, action="append", choices=range(5),
                         help="tables.MASK_* value (repeatable; default 4, the bitmask, the largest kernel)")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("compile_check needs compiled kernels: unset TRITON_INTERPRET", file=sys.stderr)
+    from impls.triton_block_sparse import launch
+
+    if launch.uses_interpreter():
+        print("compile_check needs compiled kernels: run it with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     results = check(args.arch or [90], args.head_dim, args.dtype, args.mask_kind or [4])
     print(json.dumps(results, indent=1))
