@@ -41,6 +41,62 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.compare import compare_specs
+    from bench.compare_report import print_comparison
+
+    result = compare_specs(args.base, args.new, results=Path(args.results), suite=args.suite,
+                           threshold_pct=args.threshold, alpha=args.alpha, deterministic_only=args.deterministic_only)
+    if args.json:
+        for warning in result.warnings:
+            print(f"bench compare: WARNING: {warning}", file=sys.stderr)
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print_comparison(result, make_console(), make_console(stderr=True))
+    return result.exit_code
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    from bench.history import history_command
+
+    return history_command(Path(args.results), args.suite, threshold_pct=args.threshold, as_json=args.json,
+                           show_all=args.all, console=make_console())
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from bench.export import export_command
+
+    return export_command(Path(args.run), args.format, Path(args.output) if args.output else None)
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from bench import calibrate
+    from bench.case import resolve_device
+
+    dtypes = args.dtype or list(calibrate.MATMUL_DTYPES)
+    return calibrate.command(resolve_device(args.device), Path(args.out), args.quick, dtypes, make_console())
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from bench.model import model_command
+
+    return model_command(Path(args.suite), args.gpu, Path(args.out), make_console())
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from bench.profile import profile_command
+
+    out = Path(args.output) if args.output else None
+    return profile_command(Path(args.suite), args.impl, args.case, out, args.device, make_console())
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from bench.dashboard import dashboard_command
+
+    return dashboard_command(args.runs, Path(args.output), Path(args.results), make_console())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -58,8 +114,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", nargs="?", choices=["impls", "patterns", "hardware"], default="impls")
     p.set_defaults(func=_cmd_list)
 
+    p = sub.add_parser("compare", help="which cases got slower or faster between two runs or commits")
+    p.add_argument("base", metavar="BASE", help="run directory, or a commit id prefix found in the results store")
+    p.add_argument("new", metavar="NEW", help="run directory, or a commit id prefix found in the results store")
+    p.add_argument("--threshold", type=float, default=10.0, metavar="PCT",
+                   help="smallest slowdown that counts, in percent (default 10)")
+    p.add_argument("--alpha", type=float, default=0.05, help="false discovery rate across cases (default 0.05)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--results", default="results", metavar="DIR", help="results store for commit prefixes")
+    p.add_argument("--suite", metavar="NAME", help="with a commit prefix: only runs of this suite")
+    p.add_argument("--deterministic-only", action="store_true",
+                   help="compare only exact figures (status, FLOPs, correctness, bytes), not times")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("history", help="per (case, impl) series over commits, with detected steps")
+    p.add_argument("suite", nargs="?", metavar="SUITE", help="suite name (default: every suite)")
+    p.add_argument("--results", default="results", metavar="DIR", help="results store (default: results)")
+    p.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
+                   help="smallest step reported, in percent (default 5)")
+    p.add_argument("--all", action="store_true", help="list every series, not only those with steps")
+    p.add_argument("--json", action="store_true", help="print the series and steps as JSON")
+    p.set_defaults(func=_cmd_history)
+
+    p = sub.add_parser("export", help="a run as pytest-benchmark JSON or CSV")
+    p.add_argument("run", metavar="RUN_DIR")
+    p.add_argument("--format", required=True, choices=["pytest-benchmark", "csv"])
+    p.add_argument("-o", "--output", metavar="FILE", help="output file (default: stdout)")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("dashboard", help="Plotly HTML pages of the results (offline; open DIR/index.html)")
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (default: every run in --results)")
+    p.add_argument("-o", "--output", default="dashboards", metavar="DIR", help="output directory (default: dashboards)")
+    p.add_argument("--results", default="results", metavar="DIR", help="results store (default: results)")
+    p.set_defaults(func=_cmd_dashboard)
+
     p = sub.add_parser("env", help="what was detected: GPUs, drivers, versions, git state")
     p.set_defaults(func=_cmd_env)
+
+    p = sub.add_parser("calibrate", help="measure this machine's matmul rate per dtype and copy bandwidth")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", default="results", metavar="DIR",
+                   help="results root; stored in DIR/calibration/<fingerprint>.json (default: results)")
+    p.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"],
+                   help="only this dtype (repeatable; default: all three, plus TF32 on CUDA)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and budgets (what a run does at its start)")
+    p.set_defaults(func=_cmd_calibrate)
+
+    from bench.hardware import GPU_CHOICES
+
+    p = sub.add_parser("model", help="lower-bound times of a suite's cases on a GPU that is not here (a model)")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--gpu", required=True, choices=GPU_CHOICES, help="the card to model")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
+    p.set_defaults(func=_cmd_model)
+
+    p = sub.add_parser("profile", help="a torch.profiler trace (Chrome JSON) of one (case, impl) and its top ops")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--impl", required=True, metavar="NAME")
+    p.add_argument("--case", type=int, default=0, metavar="N", help="index of the case (see run --dry-run)")
+    p.add_argument("-o", "--output", metavar="FILE", help="trace file (default: profiles/<suite>-<case>-<impl>.json)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override the case's device")
+    p.set_defaults(func=_cmd_profile)
     return parser
 
 

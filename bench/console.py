@@ -37,7 +37,8 @@ def format_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     for unit, factor in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= factor:
+        # compare after rounding to 3 digits, so 0.9996 ms reads "1 ms", not "1e+03 us"
+        if float(f"{seconds / factor:.3g}") >= 1:
             return f"{seconds / factor:.3g} {unit}"
     return f"{seconds * 1e9:.3g} ns"
 

@@ -1,4 +1,4 @@
-"""What the measurements were taken on: git state, host, CPU, GPUs, library versions, and a fingerprint.
+"""What the measurements were taken on: git state, host, CPU, GPUs, NVML, library versions, and a fingerprint.
 
 The fingerprint hashes only the fields that make timings comparable (hardware, driver, library versions),
 not the commit or the time, so two runs of different commits on the same machine share it.
@@ -6,7 +6,9 @@ not the commit or the time, so two runs of different commits on the same machine
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -14,6 +16,8 @@ import socket
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from bench.nvml import Nvml, shared, torch_uuid
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,76 +41,113 @@ def git_info(cwd: Path | None = None) -> dict[str, Any]:
     return {"commit": None, "branch": None, "dirty": None}
 
 
+# Instruction-set features that change CPU matmul and attention speed (bf16 and AMX paths in oneDNN).
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
 def cpu_info() -> dict[str, Any]:
-    model = platform.processor() or None
+    """CPU model, cores (all and usable by this process), the ISA features that matter, torch's threads."""
+    import torch
+
+    model: str | None = None
+    flags: set[str] = set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's lines suffice
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model is None:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
     except OSError:
         pass
+    model = model or platform.processor() or None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
     return {"model": model, "logical_cores": os.cpu_count(), "usable_cores": usable,
-            "machine": platform.machine()}
+            "machine": platform.machine(), "features": [f for f in CPU_FEATURES if f in flags],
+            "torch_threads": torch.get_num_threads()}
 
 
 def versions() -> dict[str, Any]:
+    """Python, torch (and the CUDA, cuDNN and NCCL it was built with), triton and the numeric libraries."""
     import torch
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "triton": None}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except Exception:  # a broken triton install must not stop the run
-        pass
-    for name in ("numpy", "scipy"):
+                           "cuda": torch.version.cuda, "cudnn": None, "nccl": None}
+    if torch.cuda.is_available():
+        out["cudnn"] = torch.backends.cudnn.version()
+        with contextlib.suppress(Exception):  # torch built without NCCL
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    # Installed versions from the package metadata: importing triton here would fix its interpreter-or-compiled
+    # mode for the whole process before the Triton implementation could choose it.
+    for name in ("triton", "numpy", "scipy", "pydantic", "nvidia-ml-py"):
         try:
-            out[name] = __import__(name).__version__
-        except ImportError:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             out[name] = None
     return out
 
 
-def gpus() -> list[dict[str, Any]]:
-    """One entry per visible CUDA device; empty without CUDA."""
-    import torch
+def gpus(nvml: Nvml | None = None, torch_module: Any = None) -> list[dict[str, Any]]:
+    """One entry per GPU: what torch sees (index, SMs, capability, L2) joined by UUID with what NVML sees
+    (UUID, driver, memory, clocks current and max, power limit and draw, temperature, clock event reasons).
 
-    if not torch.cuda.is_available():
-        return []
+    A GPU that NVML sees but torch does not (a CPU-only torch build) is listed with `cuda_index: null`.
+    """
+    if torch_module is None:
+        import torch as torch_module
+    nvml = nvml if nvml is not None else shared()
+    by_uuid = {g["uuid"]: g for g in nvml.all_gpus()}
+    driver = nvml.driver()["driver"]
     out = []
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        out.append({"index": index, "name": props.name, "memory_bytes": props.total_memory,
-                    "sm_count": props.multi_processor_count,
-                    "capability": f"{props.major}.{props.minor}",
-                    "l2_cache_bytes": getattr(props, "L2_cache_size", None)})
+    if torch_module.cuda.is_available():
+        for index in range(torch_module.cuda.device_count()):
+            props = torch_module.cuda.get_device_properties(index)
+            uuid = torch_uuid(props)
+            seen = by_uuid.pop(f"GPU-{uuid}", None) or by_uuid.pop(f"MIG-{uuid}", None) or by_uuid.pop(uuid, None)
+            entry = {"cuda_index": index, "name": props.name, "memory_bytes": int(props.total_memory),
+                     "sm_count": props.multi_processor_count, "capability": f"{props.major}.{props.minor}",
+                     "l2_cache_bytes": getattr(props, "L2_cache_size", None), "driver": driver,
+                     "uuid": f"GPU-{uuid}" if uuid else None, "nvml": seen is not None}
+            if seen is not None:
+                entry.update({k: v for k, v in seen.items() if k not in ("name", "memory_bytes")})
+            out.append(entry)
+    for seen in by_uuid.values():  # visible to NVML only
+        out.append({"cuda_index": None, "driver": driver, "nvml": True, **seen})
     return out
 
 
+def nvml_status(nvml: Nvml | None = None) -> dict[str, Any]:
+    """Whether NVML answered, why not, and the driver and driver-CUDA versions."""
+    nvml = nvml if nvml is not None else shared()
+    return {"available": nvml.available, "reason": nvml.reason, **nvml.driver()}
+
+
 def fingerprint(env: dict[str, Any]) -> str:
-    """Hash of what makes timings comparable: CPU, GPUs, driver, library versions and the backend."""
+    """Hash of what makes timings comparable: CPU, GPUs (with driver and power limit), library versions and
+    the backend. Not the commit, the host name or the time."""
     key = {
-        "cpu": [env.get("cpu", {}).get(k) for k in ("model", "usable_cores", "machine")],
-        "gpus": [[g.get(k) for k in ("name", "memory_bytes", "driver")] for g in env.get("gpus", [])],
+        "cpu": [env.get("cpu", {}).get(k) for k in ("model", "usable_cores", "machine", "torch_threads")],
+        "gpus": [[g.get(k) for k in ("name", "memory_bytes", "driver", "power_limit_w")]
+                 for g in env.get("gpus", [])],
         "versions": [env.get("versions", {}).get(k) for k in ("torch", "cuda", "triton")],
         "backend": env.get("backend"),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def capture(backend: str) -> dict[str, Any]:
+def capture(backend: str, nvml: Nvml | None = None, torch_module: Any = None) -> dict[str, Any]:
     """The `env` of run.json. `backend` is the device kind the run measures on: cpu or cuda."""
+    nvml = nvml if nvml is not None else shared()
     env: dict[str, Any] = {
         "git": git_info(),
         "host": {"hostname": socket.gethostname(), "os": platform.platform()},
         "cpu": cpu_info(),
-        "gpus": gpus(),
+        "gpus": gpus(nvml, torch_module),
+        "nvml": nvml_status(nvml),
         "versions": versions(),
         "backend": backend,
     }

@@ -6,6 +6,7 @@ becomes a `failed` record, an output off the oracle an `incorrect` one.
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 from collections.abc import Callable
@@ -17,10 +18,13 @@ from torch import Tensor
 
 from bench import flops as flop_counts
 from bench import registry
+from bench.calibrate import gpu_identity, peak_for
 from bench.case import Case
 from bench.env import device_description
 from bench.errors import Unavailable
 from bench.memory import measure_peak
+from bench.memory_model import does_not_fit
+from bench.nvml import device_monitor
 from bench.patterns import Pattern
 from bench.records import Record
 from bench.reference import compare, reference_attention, rows_to_check, tolerance_for
@@ -57,6 +61,12 @@ class CaseCache:
     pattern: Pattern | None = None
     inputs: tuple[Tensor, Tensor, Tensor] | None = None
     oracle: dict[str, Any] = field(default_factory=dict)
+
+    def input_bytes(self, case: Case) -> int:
+        """Bytes of this case's inputs already allocated (0 when another case's are cached)."""
+        if self.key != f"{case.case_id}@{case.device}" or self.inputs is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.inputs)
 
     def for_case(self, case: Case) -> None:
         key = f"{case.case_id}@{case.device}"
@@ -97,7 +107,28 @@ def describe_failure(phase: str, exc: BaseException) -> tuple[str, str]:
 
 
 def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) -> Record:
-    """Measure one (case, impl); never raises for problems of the implementation."""
+    """Measure one (case, impl); never raises for problems of the implementation.
+
+    After an out-of-memory failure the memory the failed call left behind is released here, once its
+    frames are gone, so that the next (case, impl) in this worker starts from a clean device.
+    """
+    record = _measure_task(task, cache, phase)
+    if record.status == "failed" and (record.reason or "").startswith("out of memory"):
+        release_memory(str(task.case.get("device", "cpu")))
+    return record
+
+
+def release_memory(device: str, torch_module: Any = None) -> None:
+    """Collect reference cycles (tracebacks keep frames, frames keep tensors) and return cached CUDA blocks."""
+    gc.collect()
+    if device.startswith("cuda"):
+        cuda = (torch_module or torch).cuda
+        cuda.synchronize()
+        cuda.empty_cache()
+        cuda.reset_peak_memory_stats()
+
+
+def _measure_task(task: Task, cache: CaseCache, phase: Phase) -> Record:
     started, t_start = utc_now(), time.perf_counter()
     case = Case(**task.case)
     base: dict[str, Any] = {"case_id": task.case_id, "impl": task.impl, "params": task.params,
@@ -113,6 +144,11 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) ->
     if reason:
         return finish(status="skipped", reason=reason)
     base["device"] = device_description(case.device)
+    too_big = does_not_fit(impl, case, already_held=cache.input_bytes(case))
+    if too_big is not None:
+        reason, model = too_big
+        return finish(status="skipped", reason=reason, memory={
+            "peak_bytes": model.total_bytes, "method": "model", "note": "modelled lower bound; the case was not run"})
 
     cache.for_case(case)
     pattern = cache.pattern
@@ -165,7 +201,11 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) ->
         step = _timed_step(fn, q, k, v, grad_out)
         policy = TimingPolicy(warmup=task.measure["warmup"], repeat=task.measure["repeat"],
                               max_time_s=task.measure["max_time_s"])
+        monitor = device_monitor(case.device)  # GPU clocks, temperature, throttling around the timing
+        if monitor is not None:
+            monitor.start()
         time_s = measure(step, policy, timer_for(case.device))
+        device_state = monitor.stop() if monitor is not None else None
         current = "memory"
         phase(current)
         q.grad = k.grad = v.grad = None  # freed inside the measured step, they would hide its own memory
@@ -175,9 +215,11 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = lambda p: None) ->
         return finish(status="failed", reason=reason, details=details, setup_s=setup_s)
 
     flops_per_s = base["flops"] / time_s["median"] if time_s["median"] > 0 else None
+    peak = peak_for(flops_per_s, case.dtype, case.device, impl.tf32(case), task.measure.get("calibration"),
+                    gpu_identity(case.device))
     status = "incorrect" if problem else "ok"
     return finish(status=status, reason=problem, time_s=time_s, setup_s=setup_s, memory=memory,
-                  error=error, flops_per_s=flops_per_s)
+                  error=error, flops_per_s=flops_per_s, env=device_state, peak=peak)
 
 
 def _sync(device: str) -> None:

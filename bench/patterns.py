@@ -215,8 +215,7 @@ class Pattern:
                 flat = ok.reshape(ok.shape[0], -1)  # (rows, kb * bs); columns increase along dim 1
                 cols = (kb[:, None] * bs + offs[None, :]).flatten()
                 counts.append(flat.sum(1))
-                r_idx, c_idx = torch.nonzero(flat, as_tuple=True)  # row-major order: sorted
-                del r_idx
+                _, c_idx = torch.nonzero(flat, as_tuple=True)  # row-major order: sorted
                 cols_all.append(cols[c_idx])
             crow = torch.zeros(self.seq_len + 1, dtype=torch.int64)
             crow[1:] = torch.cumsum(torch.cat(counts), 0)

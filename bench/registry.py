@@ -75,6 +75,16 @@ class Impl:
         """Fields this implementation adds to its record after prepare (e.g. the autotuned config)."""
         return {}
 
+    def memory_bytes(self, case: Case) -> int | None:
+        """A lower bound on the bytes one call allocates beyond its inputs and its output, or None when unknown.
+
+        bench.memory_model adds the inputs (and gradients in fwd_bwd) and skips a case that cannot fit in the
+        device's free memory instead of running it into an out-of-memory error. Count only what the call
+        certainly holds at once (e.g. the (B, H, N, N) scores of a dense implementation): an overestimate
+        would skip a case that fits.
+        """
+        return None
+
     def expected_comm_bytes(self, case: Case) -> int | None:
         """Distributed implementations: total bytes all ranks send, in closed form."""
         return None

@@ -15,9 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import registry
+from bench import calibrate, registry, torchrun
 from bench.case import Case, resolve_device
 from bench.console import Reporter, print_summary
+from bench.distributed import run_pair
 from bench.env import capture
 from bench.errors import BadInput
 from bench.measure import Task
@@ -85,16 +86,21 @@ def run(options: RunOptions, console: Console) -> int:
         _print_plan(console, suite, impls, options.device)
         return 0
 
+    session = torchrun.Session(suite.measure.timeout_s, _backend(suite, options.device) == "cuda") \
+        if torchrun.launched() else None
+    if session is not None and not session.leader:
+        return session.follow()  # the leader (rank 0) announces each pair and writes every record
+
     if options.resume is not None:
         run_dir, existing = _open_for_resume(options.resume, suite, console)
     else:
-        run_dir, existing = _create_run(options, suite), []
+        run_dir, existing = _create_run(options, suite, console), []
     done = {(r.case_id, r.impl) for r in existing}
     todo = [p for p in pairs if p.key not in done]
 
     labels = {c.case_id: c.label for c in suite.cases}
     plugins = [(spec, str(suite.path.parent) if suite.path else None) for spec in suite.plugins]
-    measure = suite.measure.model_dump()
+    measure = {**suite.measure.model_dump(), "calibration": read_run_info(run_dir).env.get("calibration")}
     reporter = Reporter(len(todo), console)
     new_records: list[Record] = []
     worker: WorkerProcess | None = None
@@ -104,14 +110,14 @@ def run(options: RunOptions, console: Console) -> int:
                 case = _resolved(pair.case, options.device)
                 reporter.start(labels[pair.case.case_id], pair.impl)
                 started = utc_now()
-                if case.world_size > 1:
-                    record = Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(),
-                                    status="skipped", reason="world_size > 1 needs the distributed runner",
-                                    started_at=started)
-                else:
+                task = Task(case.params(), pair.case.case_id, pair.case.params(), pair.impl, measure)
+                # Under torchrun the launcher's ranks measure it; None: a single-process pair, for the worker.
+                record = session.measure(task) if session is not None else None
+                if record is None and case.world_size > 1:
+                    record = run_pair(task, plugins, suite.measure.timeout_s, run_dir / "ranks.log")
+                elif record is None:
                     if worker is None:
                         worker = WorkerProcess(plugins, run_dir / "worker.log")
-                    task = Task(case.params(), pair.case.case_id, pair.case.params(), pair.impl, measure)
                     outcome = worker.run(task.to_json(), suite.measure.timeout_s)
                     if outcome.record is not None:
                         record = Record.model_validate(outcome.record)
@@ -125,6 +131,8 @@ def run(options: RunOptions, console: Console) -> int:
         reporter.close()
         if worker is not None:
             worker.close()
+        if session is not None:
+            session.finish()
 
     info = read_run_info(run_dir)
     write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json"), "finished_at": utc_now()})
@@ -134,8 +142,17 @@ def run(options: RunOptions, console: Console) -> int:
     return 1 if any(r.status in ("failed", "incorrect") for r in all_records) else 0
 
 
-def _create_run(options: RunOptions, suite: Suite) -> Path:
-    env = capture(backend=_backend(suite, options.device))
+def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
+    backend = _backend(suite, options.device)
+    env = capture(backend=backend)
+    if suite.measure.calibrate:
+        console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
+    dtypes = sorted({c.dtype for c in suite.cases})
+    calibration = calibrate.for_run(suite.measure.calibrate, backend, dtypes, options.out, env["fingerprint"])
+    if calibration is not None:
+        env["calibration"] = calibration
+        if "error" in calibration:
+            console.print(f"[yellow]warning:[/] {calibration['error']}; peaks fall back to datasheets")
     commit = env["git"]["commit"] or "nogit"
     run_id, run_dir = create_run_dir(options.out, suite.name, commit)
     info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=str(options.suite), content=suite.content),
@@ -152,6 +169,9 @@ def _backend(suite: Suite, device_override: str | None) -> str:
 
 def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
     info = read_run_info(run_dir)
+    if info.source != "measured":
+        raise BadInput(f"a {info.source} run (bench model); only measured runs can be resumed",
+                       file=str(run_dir), field="--resume")
     if info.suite.name != suite.name or info.suite.content != suite.content:
         raise BadInput(f"the run was made from suite {info.suite.name!r} with other content; resume it with the "
                        "same suite file", file=str(run_dir), field="--resume")

@@ -76,6 +76,7 @@ class Measure(BaseModel):
     max_time_s: Annotated[StrictFloat, Field(gt=0, le=86_400)] = 2.0
     timeout_s: Annotated[StrictFloat, Field(gt=0, le=604_800)] = 300.0
     check: StrictBool = True
+    calibrate: StrictBool = False  # measure this machine's matmul rates at the start of the run (bench.calibrate)
 
 
 class SweepBlock(BaseModel):

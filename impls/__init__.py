@@ -4,4 +4,16 @@ Optional dependencies are imported lazily inside the implementations, so a missi
 implementation report itself unavailable instead of breaking `import impls`.
 """
 
-from impls import blocked, csr, dense, flex, naive_loop, sdpa  # noqa: F401
+from impls import (  # noqa: F401
+    blocked,
+    cp_allgather,
+    cp_ring,
+    cp_sparse,
+    csr,
+    dense,
+    flex,
+    naive_loop,
+    sdpa,
+    tp_heads,
+    triton_block_sparse,
+)

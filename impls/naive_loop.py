@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from bench.memory_model import score_bytes
 from bench.registry import Impl, register
 from impls.common import accum_dtype, softmax_scale
 
@@ -22,6 +23,9 @@ class NaiveLoop(Impl):
     name = "naive_loop"
     description = "seed 001's per-query Python loop over an (N, N) score matrix, -inf outside the pattern"
     fwd_bwd = True
+
+    def memory_bytes(self, case):
+        return 2 * score_bytes(case)  # the float32 (B, H, N, N) matrix and its scaled copy under softmax
 
     def prepare(self, case, pattern, q, k, v):
         crow, col = pattern.csr()
@@ -36,11 +40,26 @@ class NaiveLoop(Impl):
         acc = accum_dtype(q.dtype)
         b, h, n, _ = q.shape
 
+        needs_grad = any(t.requires_grad for t in (q, k, v))
+
+        def row_scores(i: int) -> torch.Tensor:  # (B, H, |keys of row i|)
+            ks = keys[i]
+            return (q[:, :, i : i + 1, :] @ k[:, :, ks, :].transpose(-2, -1))[:, :, 0].to(acc)
+
         def call():
-            attn = torch.full((b, h, n, n), -math.inf, dtype=acc, device=q.device)
-            for i in range(n):
-                ks = keys[i]
-                attn[:, :, i, ks] = (q[:, :, i : i + 1, :] @ k[:, :, ks, :].transpose(-2, -1))[:, :, 0].to(acc)
+            if needs_grad:
+                # Autograd through n in-place writes into one (B, H, N, N) tensor copies its gradient n times
+                # (O(N^3)); under autograd build the rows apart and stack them.
+                rows = []
+                for i in range(n):
+                    row = torch.full((b, h, n), -math.inf, dtype=acc, device=q.device)
+                    row[:, :, keys[i]] = row_scores(i)
+                    rows.append(row)
+                attn = torch.stack(rows, dim=2)
+            else:  # the seed's loop, with -inf instead of 0 outside the window
+                attn = torch.full((b, h, n, n), -math.inf, dtype=acc, device=q.device)
+                for i in range(n):
+                    attn[:, :, i, keys[i]] = row_scores(i)
             attn = torch.softmax(attn * scale, dim=-1).nan_to_num(0.0)  # an empty row is all -inf: zeros
             return (attn @ v.to(acc)).to(q.dtype)
 

@@ -13,6 +13,9 @@ class Sdpa(Impl):
     description = "torch scaled_dot_product_attention with a boolean (N, N) mask"
     fwd_bwd = True
 
+    def memory_bytes(self, case):
+        return case.seq_len**2  # the (N, N) bool mask; the kernel PyTorch picks may need more, never less
+
     def prepare(self, case, pattern, q, k, v):
         mask = pattern.dense_mask().to(q.device)  # (N, N), True = attend
         empty_rows = ~mask.any(dim=-1)  # SDPA leaves fully masked rows undefined; the contract says zeros

@@ -74,3 +74,4 @@ def test_compare_flags_nan_and_tolerances():
     assert not compare(expected * 1.01, expected, 1e-4).passed
     assert tolerance_for("float32") == 1e-4 and tolerance_for("float32", tf32=True) == 2e-3
     assert tolerance_for("float16") == 5e-3 and tolerance_for("bfloat16") == 2e-2
+

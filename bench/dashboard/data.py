@@ -1,0 +1,242 @@
+"""Runs into tidy rows: one `Row` per record, with its run's provenance, ready to be grouped into figures.
+
+Every figure of a suite page is built from rows, never from the raw models, so the unit tests can check the
+data of each figure from synthetic runs. Raw timing samples stay out of rows (the pages keep medians and
+intervals, not samples); `bench.history` reads samples from the runs itself.
+
+Grouping:
+- a *facet* is one (pattern, dtype, mode, device): the unit the page's filters select. `device` is the
+  record's device string ("cpu: AMD EPYC 7B13", "cuda:0 NVIDIA H200", or the modelled card), so a model of
+  an H100 never shares a facet with a measurement on this CPU.
+- within a facet, `varying_keys` are the parameters that take more than one value; a series label names
+  exactly those, e.g. `w=16, B=2`, as STYLE.md's series labels do.
+- `current_rows` keeps, for each (suite, environment fingerprint, source, device, case, impl), the record of
+  the latest run: the state the suite pages show. Older runs appear in the history view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.index import run_commit, run_fingerprint
+from bench.records import Record
+from bench.store import Run
+
+FACET_KEYS = ("pattern", "dtype", "mode", "device")
+# Parameters that never make two series differ on their own (device is a facet key; the record's own
+# device string is used instead of the requested auto|cpu|cuda).
+_NOT_SERIES_KEYS = frozenset(FACET_KEYS)
+# Short names for series labels (as the pattern labels `local_w64`, `block_random_p0.1_b64`).
+SHORT_NAMES = {"seq_len": "N", "window": "w", "density": "p", "block_size": "bs", "dilation": "d",
+               "global_tokens": "g", "seed": "seed", "batch": "B", "heads": "H", "head_dim": "D",
+               "world_size": "P", "checkpoint": "ckpt", "env": "env"}
+BASELINES = ("dense", "sdpa")  # what sparse implementations are compared against, in order of preference
+
+
+@dataclass(frozen=True)
+class Row:
+    """One record with its run's provenance. Times in seconds, memory and communication in bytes."""
+
+    suite: str
+    run_id: str
+    started_at: str
+    commit: str | None
+    dirty: bool
+    fingerprint: str
+    backend: str  # the run's device kind (env.backend): cpu | cuda | ...; "model" for a modelled record
+    case_id: str
+    impl: str
+    params: dict[str, Any]
+    status: str
+    reason: str | None
+    source: str  # measured | modelled
+    device: str
+    interpreter: bool  # a Triton kernel run through the CPU interpreter: not kernel speed
+    median_s: float | None = None
+    ci95_s: tuple[float, float] | None = None
+    samples: int = 0
+    peak_bytes: int | None = None
+    memory_method: str | None = None
+    comm_backend: str | None = None
+    comm_bytes_total: int | None = None
+    comm_bytes_max_rank: int | None = None
+    comm_expected_bytes: int | None = None
+    comm_by_op: dict[str, int] = field(default_factory=dict)  # op -> bytes_total
+    rel_l2: float | None = None
+    max_abs: float | None = None
+    tolerance: float | None = None
+    rows_checked: int | None = None
+    flops: float | None = None
+    flops_per_s: float | None = None
+    peak_fraction: float | None = None
+    peak_flops: float | None = None
+    peak_source: str | None = None
+    peak_hardware: str | None = None
+
+    @property
+    def modelled(self) -> bool:
+        return self.source == "modelled"
+
+    @property
+    def measured_ok(self) -> bool:
+        return self.status == "ok" and self.median_s is not None
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.status != "ok" and "out of memory" in (self.reason or "").lower()
+
+    @property
+    def short_commit(self) -> str:
+        return (self.commit or "no-git")[:7]
+
+    def param(self, key: str) -> Any:
+        """A parameter by name; `env` is the environment fingerprint (short), so it can label series."""
+        if key == "env":
+            return self.fingerprint[:8]
+        return self.params.get(key)
+
+    def facet(self) -> tuple[str, str, str, str]:
+        return (str(self.params.get("pattern")), str(self.params.get("dtype")), str(self.params.get("mode")),
+                self.device)
+
+
+def _device_of(record: Record, run: Run) -> str:
+    if record.device:
+        return record.device
+    requested = record.params.get("device")
+    backend = run.info.env.get("backend")
+    return str(requested if requested not in (None, "auto") else backend or "unknown device")
+
+
+def row_from_record(run: Run, record: Record) -> Row:
+    info = run.info
+    git = info.env.get("git") if isinstance(info.env.get("git"), dict) else {}
+    modelled = record.source == "modelled" or info.source == "modelled"
+    time_s, comm, error, peak = record.time_s, record.comm, record.error, record.peak
+    ci = None
+    if time_s is not None and time_s.ci95 is not None and len(time_s.ci95) == 2:
+        ci = (float(time_s.ci95[0]), float(time_s.ci95[1]))
+    return Row(
+        suite=info.suite.name, run_id=info.run_id, started_at=info.started_at, commit=run_commit(run),
+        dirty=bool(git.get("dirty")), fingerprint=run_fingerprint(run),
+        backend="model" if modelled else str(info.env.get("backend") or "?"),
+        case_id=record.case_id, impl=record.impl, params=dict(record.params), status=record.status,
+        reason=record.reason, source="modelled" if modelled else "measured", device=_device_of(record, run),
+        interpreter=record.interpreter,
+        median_s=time_s.median if time_s is not None else None, ci95_s=ci, samples=time_s.n if time_s else 0,
+        peak_bytes=record.memory.peak_bytes if record.memory else None,
+        memory_method=record.memory.method if record.memory else None,
+        comm_backend=comm.backend if comm else None, comm_bytes_total=comm.bytes_total if comm else None,
+        comm_bytes_max_rank=comm.bytes_max_rank if comm else None,
+        comm_expected_bytes=comm.expected_bytes if comm else None,
+        comm_by_op={op: c.bytes_total for op, c in comm.by_op.items()} if comm else {},
+        rel_l2=error.rel_l2 if error else None, max_abs=error.max_abs if error else None,
+        tolerance=error.tolerance if error else None, rows_checked=error.rows_checked if error else None,
+        flops=record.flops, flops_per_s=record.flops_per_s,
+        peak_fraction=peak.fraction if peak else None, peak_flops=peak.peak_flops if peak else None,
+        peak_source=peak.source if peak else None, peak_hardware=peak.hardware if peak else None,
+    )
+
+
+def rows_from_runs(runs: Iterable[Run]) -> list[Row]:
+    """Every record of every run, as rows, runs oldest first."""
+    ordered = sorted(runs, key=lambda r: (r.info.started_at, r.info.run_id))
+    return [row_from_record(run, record) for run in ordered for record in run.records]
+
+
+def current_rows(rows: Iterable[Row]) -> list[Row]:
+    """The latest run's record of each (suite, fingerprint, source, device, case, impl), in first-seen order."""
+    latest: dict[tuple[str, ...], Row] = {}
+    for row in rows:
+        key = (row.suite, row.fingerprint, row.source, row.device, row.case_id, row.impl)
+        kept = latest.get(key)
+        if kept is None or (row.started_at, row.run_id) >= (kept.started_at, kept.run_id):
+            latest[key] = row
+    return list(latest.values())
+
+
+def facets(rows: Iterable[Row]) -> dict[tuple[str, str, str, str], list[Row]]:
+    """Rows grouped by (pattern, dtype, mode, device), in first-seen order."""
+    out: dict[tuple[str, str, str, str], list[Row]] = {}
+    for row in rows:
+        out.setdefault(row.facet(), []).append(row)
+    return out
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        return repr(value)
+    return value
+
+
+def varying_keys(rows: Sequence[Row], exclude: Iterable[str] = ()) -> list[str]:
+    """Parameters (and `env`) taking more than one value over `rows`, minus the facet keys and `exclude`."""
+    skip = _NOT_SERIES_KEYS | set(exclude)
+    keys = list(dict.fromkeys(k for row in rows for k in row.params if k not in skip))
+    if "env" not in skip:
+        keys.append("env")
+    return [k for k in keys if len({_hashable(row.param(k)) for row in rows}) > 1]
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def params_label(row: Row, keys: Sequence[str]) -> str:
+    """`w=16, N=256` for the given keys ('' for none). Not escaped: callers escape for their medium."""
+    return ", ".join(f"{SHORT_NAMES.get(k, k)}={format_value(row.param(k))}" for k in keys)
+
+
+def sort_key(value: Any) -> tuple[int, float, str]:
+    """Numbers in numeric order, then everything else as text (None last)."""
+    if isinstance(value, bool) or value is None:
+        return (2, 0.0, str(value))
+    if isinstance(value, (int, float)):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
+
+
+@dataclass(frozen=True)
+class SeriesKey:
+    """What makes two points belong to different lines: implementation, provenance and the other parameters."""
+
+    impl: str
+    source: str
+    interpreter: bool
+    label: str  # params_label of the varying parameters besides the x axis
+
+    def name(self) -> str:
+        """The legend name (not escaped)."""
+        parts = [self.impl]
+        if self.label:
+            parts.append(f"({self.label})")
+        if self.interpreter:
+            parts.append("[Triton interpreter]")
+        if self.source == "modelled":
+            parts.append("[model]")
+        return " ".join(parts)
+
+
+def series_of(rows: Sequence[Row], x_keys: Iterable[str]) -> dict[SeriesKey, list[Row]]:
+    """Rows grouped into series: same impl, source, interpreter flag and values of the varying parameters."""
+    keys = varying_keys(rows, exclude=x_keys)
+    out: dict[SeriesKey, list[Row]] = {}
+    for row in rows:
+        key = SeriesKey(row.impl, row.source, row.interpreter, params_label(row, keys))
+        out.setdefault(key, []).append(row)
+    return out
+
+
+def baseline_impl(rows: Iterable[Row]) -> str | None:
+    """The implementation sparse ones are compared against: dense if present, else sdpa."""
+    impls = {row.impl for row in rows if row.measured_ok}
+    return next((name for name in BASELINES if name in impls), None)
+
+
+def pair_key(row: Row) -> tuple[str, str, str, str]:
+    """Records comparable with each other: same environment, provenance, device and case."""
+    return (row.fingerprint, row.source, row.device, row.case_id)

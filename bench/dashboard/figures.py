@@ -1,0 +1,171 @@
+"""What every figure shares: its provenance line, the trace styles that tell models and interpreter runs apart,
+colours per implementation, hover formatting, and the `Figure` container the pages render.
+
+Figures are plain plotly dicts (`{"data": [...], "layout": {...}}`): building `plotly.graph_objects` for
+hundreds of traces is slow and embeds a 6 KB template in each; the tests validate every dict we produce with
+`plotly.graph_objects.Figure`, so a misspelt property still fails.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.dashboard.data import Row, SeriesKey
+from bench.dashboard.escaping import plot_text
+
+# plotly's default qualitative palette ("Plotly"), then a few more; implementations keep their colour on every page.
+PALETTE = ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff",
+           "#fecb52", "#1f77b4", "#8c564b", "#7f7f7f", "#bcbd22", "#17becf")
+MODEL_NOTE = "model: computed from a hardware model, not measured"
+INTERPRETER_NOTE = "Triton interpreter: a CPU emulation of the kernel, its time is not kernel speed"
+
+
+@dataclass
+class Figure:
+    """One figure of a page: its plotly dict plus the caption the HTML shows above it (plain text)."""
+
+    view: str  # which view made it: time, speedup, memory, comm, breakeven, peak, correctness, history
+    title: str
+    provenance: str
+    plotly: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    id: str = ""  # set when its page is rendered: the key of its data in the page's JSON
+
+
+@dataclass(frozen=True)
+class Provenance:
+    devices: tuple[str, ...]
+    backends: tuple[str, ...]
+    commits: tuple[str, ...]
+    sources: tuple[str, ...]
+    interpreter: bool
+
+    @property
+    def kind(self) -> str:
+        if self.sources == ("modelled",):
+            return "MODEL (not measured)"
+        if "modelled" in self.sources:
+            return "measured, and model traces marked [model] (dashed)"
+        return "measured"
+
+    def text(self) -> str:
+        commits = ", ".join(self.commits[:3]) + (f" +{len(self.commits) - 3} more" if len(self.commits) > 3 else "")
+        parts = [self.kind, f"device {' | '.join(self.devices)}", f"backend {', '.join(self.backends)}",
+                 f"commit {commits or 'unknown'}"]
+        if self.interpreter:
+            parts.append("includes Triton interpreter timings (CPU emulation, not kernel speed)")
+        return " · ".join(parts)
+
+
+def provenance(rows: Iterable[Row]) -> Provenance:
+    rows = list(rows)
+    backends: list[str] = []
+    for row in rows:
+        backends.append(row.backend)
+        if row.comm_backend:
+            backends.append(f"comm {row.comm_backend}")
+    return Provenance(
+        devices=tuple(dict.fromkeys(r.device for r in rows)),
+        backends=tuple(dict.fromkeys(backends)),
+        commits=tuple(dict.fromkeys(r.short_commit + ("+dirty" if r.dirty else "") for r in rows)),
+        sources=tuple(sorted({r.source for r in rows})),
+        interpreter=any(r.interpreter for r in rows),
+    )
+
+
+class Colours:
+    """One colour per implementation name, stable across the pages of one dashboard."""
+
+    def __init__(self, impls: Iterable[str]) -> None:
+        self._colour = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(sorted(set(impls)))}
+
+    def __call__(self, impl: str) -> str:
+        return self._colour.get(impl, "#444444")
+
+
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "x", "star", "pentagon", "hexagon",
+           "triangle-down")
+
+
+def label_variants(keys: Iterable[SeriesKey]) -> dict[str, int]:
+    """A marker symbol index per series label, so `dense (w=16)` and `dense (w=32)` differ by more than a legend."""
+    return {label: i for i, label in enumerate(dict.fromkeys(k.label for k in keys))}
+
+
+def trace_style(key: SeriesKey, colour: str, variant: int = 0) -> dict[str, Any]:
+    """Colour: the implementation; marker symbol: the other parameters (`variant`); line: the provenance.
+
+    Measured: solid line, filled markers. Model: dashed line, open markers. Triton interpreter: dotted line.
+    """
+    dash = "dash" if key.source == "modelled" else "dot" if key.interpreter else "solid"
+    symbol = SYMBOLS[variant % len(SYMBOLS)] + ("-open" if key.source == "modelled" else "")
+    return {"line": {"color": colour, "dash": dash}, "marker": {"color": colour, "symbol": symbol, "size": 7}}
+
+
+def figure_title(title: str, prov: Provenance) -> dict[str, Any]:
+    """A plotly title: the view's name (ours, or escaped) and the escaped provenance line below it."""
+    prefix = "MODEL - " if prov.sources == ("modelled",) else ""
+    return {"text": f"{plot_text(prefix + title)}<br><sup>{plot_text(prov.text())}</sup>", "x": 0.01,
+            "xanchor": "left", "font": {"size": 15}}
+
+
+def base_layout(title: str, prov: Provenance, *, height: int = 430) -> dict[str, Any]:
+    return {"title": figure_title(title, prov), "height": height, "margin": {"t": 80, "l": 70, "r": 20, "b": 60},
+            "hovermode": "closest", "plot_bgcolor": "#ffffff", "paper_bgcolor": "#ffffff",
+            "legend": {"font": {"size": 11}}, "font": {"family": "system-ui, sans-serif", "size": 12}}
+
+
+def axis(title: str, *, log: bool = False, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"title": {"text": title}, "gridcolor": "#e8e8e8", "zerolinecolor": "#cccccc",
+                           "type": "log" if log else "linear"}
+    out.update(extra)
+    return out
+
+
+class SeqLenAxis:
+    """The x axis of the views over sequence length: log when several lengths are shown, else one category
+    (a log axis around a single point picks a meaningless range)."""
+
+    def __init__(self, lengths: Iterable[int], **extra: Any) -> None:
+        self.single = len(set(lengths)) <= 1
+        self.layout = (axis("sequence length N", type="category", **extra) if self.single
+                       else axis("sequence length N", log=True, **extra))
+
+    def __call__(self, lengths: Sequence[int]) -> list[int] | list[str]:
+        return [f"N={n}" for n in lengths] if self.single else list(lengths)
+
+
+def hover(lines: Sequence[str]) -> str:
+    """Hover text from lines that are already escaped (use `plot_text` on data first)."""
+    return "<br>".join(lines)
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def format_bytes(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def row_hover(row: Row, *extra: str) -> str:
+    """The common hover lines of one record: implementation, case, provenance. Data escaped here."""
+    lines = [f"<b>{plot_text(row.impl)}</b>", plot_text(row.case_id), *extra,
+             plot_text(f"{row.source} on {row.device}"), plot_text(f"run {row.run_id}"),
+             plot_text(f"commit {row.short_commit}{' (dirty tree)' if row.dirty else ''}")]
+    if row.interpreter:
+        lines.append(plot_text(INTERPRETER_NOTE))
+    return hover(lines)

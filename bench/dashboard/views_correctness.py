@@ -1,0 +1,99 @@
+"""The correctness matrix: implementation x case, coloured by status, the error against the fp64 oracle (or the
+reason of a skip or failure) on hover."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench.dashboard.data import Row, SeriesKey, params_label, sort_key, varying_keys
+from bench.dashboard.escaping import plot_text
+from bench.dashboard.figures import Figure, axis, base_layout, provenance, row_hover
+
+STATUS_CODE = {"ok": 0, "skipped": 1, "incorrect": 2, "failed": 3}
+STATUS_COLOUR = {"ok": "#2ca02c", "skipped": "#c7c7c7", "incorrect": "#ff7f0e", "failed": "#d62728"}
+
+
+@dataclass(frozen=True)
+class CorrectnessMatrix:
+    impls: tuple[str, ...]  # y: implementation names with their provenance tags ([model], [Triton interpreter])
+    cases: tuple[tuple[str, str], ...]  # x: (case_id, short label), by parameters
+    cells: dict[tuple[str, str], Row]  # (impl name, case_id) -> record
+
+    def status(self, impl: str, case_id: str) -> str | None:
+        row = self.cells.get((impl, case_id))
+        return row.status if row else None
+
+
+def impl_name(row: Row) -> str:
+    return SeriesKey(row.impl, row.source, row.interpreter, "").name()
+
+
+def case_labels(rows: Sequence[Row]) -> list[tuple[str, str]]:
+    """(case_id, label naming the parameters that vary) in parameter order; the case id where labels collide."""
+    keys = [k for k in varying_keys(rows) if k != "env"]
+    first: dict[str, Row] = {}
+    for r in rows:
+        first.setdefault(r.case_id, r)
+    ordered = sorted(first.values(), key=lambda r: [sort_key(r.params.get(k)) for k in ["seq_len", *keys]])
+    labels = [params_label(r, keys) or r.case_id for r in ordered]
+    if len(set(labels)) < len(labels):
+        labels = [r.case_id for r in ordered]
+    return [(r.case_id, label) for r, label in zip(ordered, labels, strict=True)]
+
+
+def correctness_matrix(rows: Sequence[Row]) -> CorrectnessMatrix | None:
+    if not rows:
+        return None
+    impls = sorted(dict.fromkeys(impl_name(r) for r in rows), key=sort_key)
+    return CorrectnessMatrix(tuple(impls), tuple(case_labels(rows)), {(impl_name(r), r.case_id): r for r in rows})
+
+
+def _status_line(row: Row) -> str:
+    if row.status in ("ok", "incorrect") and row.tolerance is not None:
+        rel = "NaN/inf" if row.rel_l2 is None else f"{row.rel_l2:.2e}"
+        line = (f"<b>{row.status}</b>: rel. L2 error {rel} (tolerance {row.tolerance:.0e}), max abs "
+                f"{'-' if row.max_abs is None else f'{row.max_abs:.2e}'}, {row.rows_checked} rows checked")
+    else:
+        line = f"<b>{plot_text(row.status)}</b>"
+    if row.reason:
+        line += f"<br>{plot_text(row.reason)}"
+    return line
+
+
+def correctness_figure(rows: Sequence[Row]) -> Figure | None:
+    matrix = correctness_matrix(rows)
+    if matrix is None:
+        return None
+    x = [plot_text(label) for _, label in matrix.cases]
+    y = [plot_text(name) for name in matrix.impls]
+    z: list[list[int | None]] = []
+    texts: list[list[str]] = []
+    for impl in matrix.impls:
+        z_row, t_row = [], []
+        for case_id, _ in matrix.cases:
+            row = matrix.cells.get((impl, case_id))
+            z_row.append(STATUS_CODE.get(row.status) if row else None)
+            t_row.append(row_hover(row, _status_line(row)) if row else f"{plot_text(impl)}: not run on this case")
+        z.append(z_row)
+        texts.append(t_row)
+    n = len(STATUS_CODE) - 1
+    scale = []  # one flat colour band per status code
+    for status, code in STATUS_CODE.items():
+        scale += [[max(code - 0.5, 0) / n, STATUS_COLOUR[status]], [min(code + 0.5, n) / n, STATUS_COLOUR[status]]]
+    traces: list[dict] = [{"type": "heatmap", "x": x, "y": y, "z": z, "zmin": 0, "zmax": n, "colorscale": scale,
+                           "showscale": False, "xgap": 2, "ygap": 2, "hovertext": texts, "hoverinfo": "text",
+                           "name": "status"}]
+    for status, colour in STATUS_COLOUR.items():  # legend entries only
+        traces.append({"type": "scatter", "mode": "markers", "name": status, "x": [None], "y": [None],
+                       "marker": {"symbol": "square", "size": 12, "color": colour}, "hoverinfo": "skip"})
+    prov = provenance(rows)
+    counts = {s: sum(r.status == s for r in rows) for s in STATUS_CODE}
+    layout = base_layout("Correctness against the float64 oracle", prov, height=max(260, 150 + 30 * len(y)))
+    layout["margin"]["b"] = 20
+    layout["legend"] = {"orientation": "h", "x": 1, "xanchor": "right", "y": 1.02, "yanchor": "bottom"}
+    layout["xaxis"] = axis("case", type="category", tickangle=-35, automargin=True)
+    layout["yaxis"] = axis("", type="category", automargin=True, autorange="reversed")
+    summary = ", ".join(f"{c} {s}" for s, c in counts.items() if c)
+    return Figure("correctness", f"Correctness: implementation x case ({summary}); error or reason on hover",
+                  prov.text(), {"data": traces, "layout": layout})

@@ -1,0 +1,50 @@
+"""`cp_allgather`: context parallelism with K/V all-gathered.
+
+The sequence is split in P contiguous chunks of C = N/P positions; every rank all-gathers K and V (one
+call, both stacked) and attends its own queries to the whole sequence under the pattern. Simple and
+pattern-blind: every rank receives all of K and V. In fwd_bwd the gradient of the gathered K/V is
+reduce-scattered back to the owners.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench.comm_autograd import all_gather
+from bench.registry import register
+from bench.sharding import DistributedImpl
+from impls.parallel_common import attend, communicator_for, kv_row_bytes
+
+
+@register
+class AllGatherContextParallel(DistributedImpl):
+    name = "cp_allgather"
+    description = "sequence split in P chunks; K/V all-gathered, local queries against the whole sequence"
+    fwd_bwd = True
+
+    def prepare(self, case, pattern, q, k, v):
+        comm = communicator_for(case)
+        shard = self.shard(case, comm.rank)
+        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
+        b, h, n, d = q.shape
+        rows = torch.arange(shard.start, shard.stop)
+        mask = pattern.allowed(rows[:, None], torch.arange(n)[None, :]).to(q.device)  # (C, N)
+
+        def call():
+            gathered = all_gather(torch.stack((k_r, v_r)))  # (P, 2, B, H, C, D)
+            kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, n, d)  # chunks in sequence order
+            return attend(q_r, kv[0], kv[1], mask)
+
+        return call
+
+    def expected_comm_bytes(self, case):
+        """All-gather of K/V: each rank sends its chunk (C = N/P rows of 2*B*H*D*e bytes) to P-1 ranks.
+
+        fwd: P * (P-1) * C * 2*B*H*D*e = 2 (P-1) * B*H*N*D*e. fwd_bwd: twice that (the reduce-scatter of
+        dK/dV moves as much). Checkpoint: None (measured only). The pattern does not appear.
+        """
+        if case.checkpoint:
+            return None
+        p = case.world_size
+        forward = (p - 1) * case.seq_len * kv_row_bytes(case)
+        return forward if case.mode == "fwd" else 2 * forward

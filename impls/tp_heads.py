@@ -1,0 +1,58 @@
+"""`tp_heads`: Megatron-style tensor parallelism over attention heads.
+
+An attention layer whose QKV projection is column-parallel (rank r computes heads [r H/P, (r+1) H/P)) and
+whose output projection is row-parallel (each rank's partial output, one all-reduce). The projections are
+identity matrices, so the all-reduced result is exactly the attention output and the oracle can check it;
+multiplying by an identity is a copy, so they are applied as what they amount to - taking the rank's heads,
+and placing its heads' output in an otherwise zero hidden state - and time_s stays the attention's plus its
+communication, comparable with the context-parallel implementations.
+
+Only hidden states cross the wire, whatever the mask: this is why sparsity saves nothing here.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from bench.comm_autograd import copy_to_ranks, reduce_from_ranks
+from bench.registry import register
+from bench.sharding import DistributedImpl
+from impls.parallel_common import attend, communicator_for, elem_bytes
+
+
+@register
+class TensorParallelHeads(DistributedImpl):
+    name = "tp_heads"
+    description = "heads split over ranks; column-parallel QKV, row-parallel output, one all-reduce forward"
+    fwd_bwd = True
+    split_dim = 1  # heads
+
+    def prepare(self, case, pattern, q, k, v):
+        comm = communicator_for(case)
+        shard = self.shard(case, comm.rank)
+        heads = case.heads
+        mask = pattern.dense_mask().to(q.device)  # (N, N)
+
+        def call():
+            # Megatron's f: identity forward; backward all-reduces dq, dk, dv (one call, 3 B N H D elements).
+            q_all, k_all, v_all = copy_to_ranks(q, k, v)
+            local = attend(shard.take(q_all), shard.take(k_all), shard.take(v_all), mask)  # (B, H/P, N, D)
+            # Row-parallel output with an identity weight: this rank's heads in place, zeros elsewhere.
+            partial = F.pad(local, (0, 0, 0, 0, shard.start, heads - shard.stop))  # (B, H, N, D)
+            return reduce_from_ranks(partial)  # Megatron's g: one all-reduce of B N H D elements
+
+        return call
+
+    def expected_comm_bytes(self, case):
+        """Ring all-reduce of S = B*N*H*D*e bytes sends 2(P-1)/P*S per rank, 2(P-1)*S in all.
+
+        fwd: 2(P-1)*S (the output all-reduce). fwd_bwd: plus 2(P-1)*3S (dq, dk, dv all-reduced together),
+        8(P-1)*S in all. With checkpoint the recomputation re-runs some collectives: None (measured only).
+        The pattern does not appear.
+        """
+        if case.checkpoint:
+            return None
+        p = case.world_size
+        s = case.batch * case.seq_len * case.heads * case.head_dim * elem_bytes(case)
+        forward = 2 * (p - 1) * s
+        return forward if case.mode == "fwd" else forward + 2 * (p - 1) * 3 * s

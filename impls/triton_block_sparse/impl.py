@@ -1,0 +1,56 @@
+"""`triton_block_sparse`: our Triton block-sparse FlashAttention-style kernel, registered as an Impl."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from bench.registry import Impl, register
+from impls.triton_block_sparse import launch
+
+
+@register
+class TritonBlockSparse(Impl):
+    name = "triton_block_sparse"
+    description = "Triton block-sparse FlashAttention-2 (tile lookup table); on CPU via the Triton interpreter"
+    fwd_bwd = True
+
+    def __init__(self) -> None:
+        self._extras: dict[str, object] = {}
+
+    def unavailable(self) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install triton)"
+        return None
+
+    def unsupported(self, case) -> str | None:
+        reason = super().unsupported(case)
+        if reason:
+            return reason
+        if not launch.MIN_HEAD_DIM <= case.head_dim <= launch.MAX_HEAD_DIM:
+            return (f"{self.name} supports head_dim {launch.MIN_HEAD_DIM}..{launch.MAX_HEAD_DIM} "
+                    f"(got {case.head_dim})")
+        if case.batch * case.heads > launch.MAX_GRID_Y:
+            return f"{self.name} launches B*H programs on grid axis y, at most {launch.MAX_GRID_Y} " \
+                   f"(got {case.batch * case.heads})"
+        if case.device == "cpu" and not launch.uses_interpreter():
+            return (f"{self.name} runs compiled kernels on CUDA tensors in this process; for CPU tensors set "
+                    "TRITON_INTERPRET=1 (the Triton interpreter: correctness only, not kernel speed)")
+        return None
+
+    def tf32(self, case) -> bool:
+        # Compiled tl.dot takes float32 operands as TF32 (its default input_precision); the interpreter
+        # multiplies in full float32.
+        return case.dtype == "float32" and not launch.uses_interpreter()
+
+    def prepare(self, case, pattern, q, k, v):
+        needs_grad = any(t.requires_grad for t in (q, k, v))
+        plan = launch.plan_attention(pattern, q, k, v, needs_grad)
+        self._extras = plan.describe()
+
+        def call():
+            return launch.BlockSparseAttention.apply(q, k, v, plan)
+
+        return call
+
+    def record_extras(self) -> dict[str, object]:
+        return dict(self._extras)

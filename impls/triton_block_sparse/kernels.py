@@ -1,0 +1,342 @@
+"""Triton kernels of block-sparse attention: forward, backward preprocess, dK/dV pass, dQ pass.
+
+The structure follows the Triton tutorial 06 (fused attention, FlashAttention-2): the forward keeps a running
+max and sum per query row (online softmax) in float32 and stores the base-2 log-sum-exp for the backward;
+the backward recomputes the probabilities from it, one pass accumulating dK/dV per key tile and one
+accumulating dQ per query tile. What differs is sparsity: each program visits only the tiles listed for it in
+a lookup table (CSR over tiles, fully allowed tiles first), built once from the pattern's block layout
+(`tables.py`). Fully allowed tiles are not masked at all; in partially allowed tiles the pattern is applied by
+formula (band / strided / axial) or by a per-tile bitmask for irregular ones.
+
+Import this module only through `launch.kernels()`: whether the decorators below build compiled kernels or
+interpreter functions is decided by TRITON_INTERPRET when they run, and `launch` decides it.
+
+Shapes: q, k, v (B, H, N, D) with any strides; o, do, dq, dk, dv contiguous (B, H, N, D); lse, delta
+contiguous (B*H, N) float32. D is the real head_dim, HEAD_DIM its power-of-two padding (tl.arange needs one).
+"""
+
+import triton
+import triton.language as tl
+
+from impls.triton_block_sparse import tables
+
+# Mask kinds inside partial tiles (tables.MaskSpec.kind); jit code may only read constexpr globals.
+BAND = tl.constexpr(tables.MASK_BAND)
+STRIDED = tl.constexpr(tables.MASK_STRIDED)
+AXIAL = tl.constexpr(tables.MASK_AXIAL)
+BITS = tl.constexpr(tables.MASK_BITS)  # (BLOCK_M, BLOCK_N) bits per partial tile, 32 keys per int32 word
+BOUNDS_ONLY = tl.constexpr(tables.BOUNDS_ONLY)  # slot of a tile only the sequence end cuts (formula kinds)
+
+
+@triton.jit
+def _allowed(rows, cols, slot, mask_words, band_lo, band_hi, dilation, n_global, period,
+             MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+             TILE_M: tl.constexpr, TILE_N: tl.constexpr, WORDS: tl.constexpr):
+    """Whether query `rows` may attend to key `cols` (broadcast against each other), inside a partial tile.
+
+    For MASK_BITS the tile's bitmask is `slot` in mask_words (n_partial, TILE_M, WORDS); rows and cols are
+    then taken relative to the tile (their offsets modulo the tile shape). For formulas, slot BOUNDS_ONLY
+    marks a tile whose every pair is allowed (the caller applies the sequence end).
+    """
+    if MASK_KIND == BAND:
+        diff = rows - cols
+        ok = (diff >= band_lo) & (diff <= band_hi)
+        if HAS_DILATION:
+            ok = ok & (diff % dilation == 0)
+        if HAS_GLOBAL:
+            ok = ok | (rows < n_global) | (cols < n_global)
+    elif MASK_KIND == STRIDED:
+        ok = ((rows // period) == (cols // period)) | ((cols % period) == period - 1)
+    elif MASK_KIND == AXIAL:
+        ok = ((rows // period) == (cols // period)) | ((rows % period) == (cols % period))
+    elif MASK_KIND == BITS:
+        local_r = rows % TILE_M
+        local_c = cols % TILE_N
+        words = tl.load(mask_words + slot.to(tl.int64) * (TILE_M * WORDS) + local_r * WORDS + local_c // 32)
+        ok = ((words >> (local_c % 32)) & 1) != 0
+    else:
+        ok = (rows >= 0) & (cols >= 0)
+    if MASK_KIND != BITS:
+        ok = ok | (slot == BOUNDS_ONLY)  # the caller still masks keys past the sequence end
+    return ok
+
+
+# The interpreter re-patches triton.language on every call of a jit helper, so the hot loops call at most
+# two helpers per tile (the tile function and, in partial tiles, `_allowed`); loads and dots are inline.
+# DOT_F32 widens dot operands to float32: the interpreter keeps bfloat16 as raw uint16 and its dot multiplies
+# those bits, so on CPU bfloat16 tiles are multiplied as float32 - of values already rounded to bfloat16, so
+# each product equals a bfloat16 tensor-core dot's (only the summation order differs). Compiled kernels
+# never set it.
+
+# --- forward ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
+              stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
+              n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+              MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
+              HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """One key tile of the online softmax for a query tile: returns the updated (acc, l_i, m_i)."""
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_ok = (offs_n[:, None] < n_ctx) & d_ok if MASKED else d_ok  # a full tile lies inside the sequence
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N) float32, log2 units
+    if MASKED:
+        ok = _allowed(offs_m[:, None], offs_n[None, :], slot, mask_words, band_lo, band_hi, dilation,
+                      n_global, period, MASK_KIND, HAS_DILATION, HAS_GLOBAL, BLOCK_M, BLOCK_N, WORDS)
+        qk = tl.where(ok & (offs_n[None, :] < n_ctx), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: no NaN
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+    p = tl.math.exp2(qk - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+    p = p.to(v.dtype)
+    if DOT_F32:
+        acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None])
+    else:
+        acc = tl.dot(p, v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attn_fwd(Q, K, V, O, LSE,
+             stride_qb, stride_qh, stride_qn, stride_qd,
+             stride_kb, stride_kh, stride_kn, stride_kd,
+             stride_vb, stride_vh, stride_vn, stride_vd,
+             row_offsets, row_full, row_cols, row_slots, mask_words,
+             n_heads, n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+             MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+             WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_M), B * H): one query tile of one head; writes O and the base-2 LSE."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // n_heads).to(tl.int64)
+    off_h = (pid_bh % n_heads).to(tl.int64)
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d[None, :] < D  # the padding of head_dim to a power of two
+    row_ok = offs_m[:, None] < n_ctx
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_ok & d_ok, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    start = tl.load(row_offsets + pid_m)
+    first_partial = start + tl.load(row_full + pid_m)
+    end = tl.load(row_offsets + pid_m + 1)
+    for t in range(start, first_partial):  # fully allowed tiles: no mask at all
+        kb = tl.load(row_cols + t)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, 0, offs_m, offs_d, d_ok,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
+                                  n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+                                  False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+    for t in range(first_partial, end):
+        kb = tl.load(row_cols + t)
+        slot = tl.load(row_slots + t)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
+                                  n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+                                  True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+
+    has_keys = l_i > 0.0  # False for a query row with no allowed key: output 0, LSE +inf (backward p = 0)
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("inf"))
+    row_base = pid_bh.to(tl.int64) * n_ctx  # into (B*H, N) LSE and contiguous (B, H, N, D) O
+    tl.store(O + row_base * D + offs_m[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok & d_ok)
+    tl.store(LSE + row_base + offs_m, lse, mask=offs_m < n_ctx)
+
+
+# --- backward -----------------------------------------------------------------------------------------------
+
+@triton.jit
+def attn_bwd_preprocess(O, DO, DELTA, n_ctx, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """delta = rowsum(O * dO) in float32, (B*H, N). Grid (cdiv(N, BLOCK_M), B * H)."""
+    pid_m = tl.program_id(0)
+    row_base = tl.program_id(1).to(tl.int64) * n_ctx
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (offs_m[:, None] < n_ctx) & (offs_d[None, :] < D)
+    offs = row_base * D + offs_m[:, None] * D + offs_d[None, :]
+    o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + row_base + offs_m, tl.sum(o * do, axis=1), mask=offs_m < n_ctx)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, slot, offs_n, offs_d, d_ok,
+               stride_qn, stride_qd, mask_words, n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+               MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
+               HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               D: tl.constexpr, DOT_F32: tl.constexpr):
+    """One query tile's contribution to a key tile's dK, dV (transposed: scores are (BLOCK_N, BLOCK_M))."""
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Query rows past N load as zero with LSE +inf, so their probabilities are 0 even in a full tile.
+    q_ok = (offs_m[:, None] < n_ctx) & d_ok
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=q_ok, other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=q_ok, other=0.0)
+    lse = tl.load(lse_base + offs_m, mask=offs_m < n_ctx, other=float("inf"))
+    delta = tl.load(delta_base + offs_m, mask=offs_m < n_ctx, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    qk_t = tl.dot(k, tl.trans(q)) * qk_scale
+    if MASKED:
+        ok = _allowed(offs_m[None, :], offs_n[:, None], slot, mask_words, band_lo, band_hi, dilation,
+                      n_global, period, MASK_KIND, HAS_DILATION, HAS_GLOBAL, BLOCK_M, BLOCK_N, WORDS)
+        qk_t = tl.where(ok & (offs_n[:, None] < n_ctx), qk_t, float("-inf"))
+    p_t = tl.math.exp2(qk_t - lse[None, :])
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    if DOT_F32:  # round to the input dtype as the compiled kernel does, then multiply in float32
+        dv = tl.dot(p_t.to(q_base.dtype.element_ty).to(tl.float32), do, dv)
+        dk = tl.dot(ds_t.to(q_base.dtype.element_ty).to(tl.float32), q, dk)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
+                  stride_qb, stride_qh, stride_qn, stride_qd,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  col_offsets, col_full, col_rows, col_slots, mask_words,
+                  n_heads, n_ctx, sm_scale, qk_scale, band_lo, band_hi, dilation, n_global, period,
+                  MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+                  WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), B * H): dK, dV of one key tile, over the query tiles of its table column."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // n_heads).to(tl.int64)
+    off_h = (pid_bh % n_heads).to(tl.int64)
+    row_base = pid_bh.to(tl.int64) * n_ctx  # into (B*H, N) LSE / delta and contiguous (B, H, N, D) dO, dK, dV
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d[None, :] < D
+    kv_ok = (offs_n[:, None] < n_ctx) & d_ok
+    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_ok, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_ok, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    start = tl.load(col_offsets + pid_n)
+    first_partial = start + tl.load(col_full + pid_n)
+    end = tl.load(col_offsets + pid_n + 1)
+    for t in range(start, first_partial):
+        qb = tl.load(col_rows + t)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, DO + row_base * D, LSE + row_base, DELTA + row_base, qb, 0,
+                            offs_n, offs_d, d_ok, stride_qn, stride_qd, mask_words, n_ctx, qk_scale, band_lo,
+                            band_hi, dilation, n_global, period, False, MASK_KIND, HAS_DILATION, HAS_GLOBAL,
+                            WORDS, BLOCK_M, BLOCK_N, D, DOT_F32)
+    for t in range(first_partial, end):
+        qb = tl.load(col_rows + t)
+        slot = tl.load(col_slots + t)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, DO + row_base * D, LSE + row_base, DELTA + row_base, qb, slot,
+                            offs_n, offs_d, d_ok, stride_qn, stride_qd, mask_words, n_ctx, qk_scale, band_lo,
+                            band_hi, dilation, n_global, period, True, MASK_KIND, HAS_DILATION, HAS_GLOBAL,
+                            WORDS, BLOCK_M, BLOCK_N, D, DOT_F32)
+    out_offs = row_base * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
+             stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
+             n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+             MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
+             HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             DOT_F32: tl.constexpr):
+    """One key tile's contribution to a query tile's dQ."""
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_ok = (offs_n[:, None] < n_ctx) & d_ok if MASKED else d_ok
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+    in_dtype = k.dtype
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        ok = _allowed(offs_m[:, None], offs_n[None, :], slot, mask_words, band_lo, band_hi, dilation,
+                      n_global, period, MASK_KIND, HAS_DILATION, HAS_GLOBAL, BLOCK_M, BLOCK_N, WORDS)
+        qk = tl.where(ok & (offs_n[None, :] < n_ctx), qk, float("-inf"))
+    p = tl.math.exp2(qk - lse[:, None])
+    dp = tl.dot(do, tl.trans(v))
+    ds = (p * (dp - delta[:, None])).to(in_dtype)
+    if DOT_F32:
+        ds = ds.to(tl.float32)
+    return tl.dot(ds, k, dq)
+
+
+@triton.jit
+def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
+                stride_qb, stride_qh, stride_qn, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                row_offsets, row_full, row_cols, row_slots, mask_words,
+                n_heads, n_ctx, sm_scale, qk_scale, band_lo, band_hi, dilation, n_global, period,
+                MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+                WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_M), B * H): dQ of one query tile, over the key tiles of its table row."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // n_heads).to(tl.int64)
+    off_h = (pid_bh % n_heads).to(tl.int64)
+    row_base = pid_bh.to(tl.int64) * n_ctx
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d[None, :] < D
+    q_ok = (offs_m[:, None] < n_ctx) & d_ok
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=q_ok, other=0.0)
+    do = tl.load(DO + row_base * D + offs_m[:, None] * D + offs_d[None, :], mask=q_ok, other=0.0)
+    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < n_ctx, other=float("inf"))
+    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < n_ctx, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    start = tl.load(row_offsets + pid_m)
+    first_partial = start + tl.load(row_full + pid_m)
+    end = tl.load(row_offsets + pid_m + 1)
+    for t in range(start, first_partial):
+        kb = tl.load(row_cols + t)
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, 0, offs_m, offs_d, d_ok,
+                      stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
+                      n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+                      False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+    for t in range(first_partial, end):
+        kb = tl.load(row_cols + t)
+        slot = tl.load(row_slots + t)
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
+                      stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
+                      n_ctx, qk_scale, band_lo, band_hi, dilation, n_global, period,
+                      True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+    tl.store(DQ + row_base * D + offs_m[:, None] * D + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=q_ok)

@@ -1,0 +1,356 @@
+"""Launching the kernels: interpreter or compiled, tile configurations and their autotuning, autograd.
+
+`plan_attention` does the untimed work of a case - lookup tables, mask choice, and on a GPU the choice of tile
+configuration per kernel by timing each candidate - and `BlockSparseAttention.apply(q, k, v, plan)` is the
+timed, differentiable call.
+
+Interpreter or compiled is decided once per process: without CUDA (or with TRITON_INTERPRET=1 already set)
+the kernels are built as Triton interpreter functions, which run on CPU tensors. Triton reads TRITON_INTERPRET
+when `@triton.jit` runs - for its own library functions (tl.zeros, ...) when triton.language is first
+imported - and its interpreter reads it again while launching, so in interpreter mode it is set for the rest of
+the process, as early as the package import (`choose_mode_before_triton_imports`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from impls.triton_block_sparse import tables as tbl
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs K >= 16; above 128 the tiles outgrow shared memory
+MAX_GRID_Y = 65535  # CUDA's limit on grid dimension y, which carries B * H
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A tile shape and launch parameters. block_m: query rows per tile; block_n: keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def label(self) -> str:
+        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+
+# Candidates on a GPU, after the Triton tutorial 06 (forward: 64..128 x 64..128 tiles, 4 or 8 warps, 3
+# stages; backward: dK/dV over 32-row query tiles against 128 keys, dQ its transpose). Each kernel is tuned
+# alone. Three each: every candidate is a compile per (dtype, head_dim, mask kind), which the GPU check's
+# time budget pays for.
+FWD_CONFIGS = (TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3))
+DKDV_CONFIGS = (TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(64, 128, 8, 3))
+DQ_CONFIGS = (TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))
+# In the interpreter one config per kernel and no timing loop. Each tile step costs ~100 interpreted
+# operations whatever its size, so large tiles are fastest: the conformance tests take ~40% less CPU time at
+# 128 than at 64 (N 97..257). Small tiles, and so many partial and skipped ones, are tested separately.
+INTERPRETER_CONFIG = TileConfig(128, 128, 4, 1)
+PREPROCESS_BLOCK = 64
+TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # triton.testing.do_bench per candidate: enough to rank tile shapes
+
+_kernels: ModuleType | None = None
+
+
+def uses_interpreter() -> bool:
+    """Whether this process runs (or will run) the kernels in the Triton interpreter."""
+    if _kernels is not None:
+        return _is_interpreted(_kernels)
+    interpret_env = os.environ.get("TRITON_INTERPRET", "").strip().lower()
+    if interpret_env in ("0", "false", "off", "no"):  # compiled kernels asked for (compile_check without a GPU)
+        return False
+    return interpret_env in ("1", "true", "on", "yes") or not torch.cuda.is_available()
+
+
+def choose_mode_before_triton_imports() -> None:
+    """Set TRITON_INTERPRET=1 now when this process will need the interpreter and triton is not yet imported."""
+    if "triton" not in sys.modules and uses_interpreter():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def kernels() -> ModuleType:
+    """The kernels module, imported on first use as interpreter functions when `uses_interpreter()`."""
+    global _kernels
+    if _kernels is None:
+        if uses_interpreter():
+            os.environ["TRITON_INTERPRET"] = "1"
+            _require_interpreted_library()
+        from impls.triton_block_sparse import kernels as module
+
+        _kernels = module
+    return _kernels
+
+
+def _require_interpreted_library() -> None:
+    """Triton imported before TRITON_INTERPRET=1 was set has compiled-mode library functions the interpreter
+    cannot call ("Cannot call @triton.jit'd outside of the scope of a kernel"): say so instead."""
+    if "triton.language" not in sys.modules:
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.zeros, InterpretedFunction):
+        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET=1 was set, so its library "
+                           "functions are compiled-mode and the interpreter cannot run them: import impls (or set "
+                           "TRITON_INTERPRET=1) before anything imports triton")
+
+
+def _is_interpreted(module: ModuleType) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(module.attn_fwd, InterpretedFunction)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return max(MIN_HEAD_DIM, 1 << (head_dim - 1).bit_length())
+
+
+# --- plans: what a case needs prepared ----------------------------------------------------------------------
+
+@dataclass
+class KernelPlan:
+    """One kernel's tile configuration, its tables (on the inputs' device) and its mask."""
+
+    config: TileConfig
+    tables: tbl.TileTables
+    mask: tbl.MaskSpec
+
+    def describe(self) -> dict[str, Any]:
+        t = self.tables
+        return {**asdict(self.config), "mask": self.mask.name, "tiles_full": t.n_full,
+                "tiles_partial": t.n_partial}
+
+
+@dataclass
+class Plan:
+    fwd: KernelPlan
+    dkdv: KernelPlan | None  # None when no gradient is needed
+    dq: KernelPlan | None
+    interpreter: bool
+    tuning: dict[str, Any]  # per kernel: median ms per candidate, or why it failed
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"interpreter": self.interpreter, "fwd": self.fwd.describe()}
+        if self.dkdv is not None and self.dq is not None:
+            out["bwd_dkdv"] = self.dkdv.describe()
+            out["bwd_dq"] = self.dq.describe()
+        if self.tuning:
+            out["autotune_ms"] = self.tuning
+        return out
+
+
+class _TableCache:
+    """Tables by (pattern, tile shape, bitmasks, device); a few entries, oldest dropped first."""
+
+    def __init__(self, size: int = 24) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple, tbl.TileTables] = OrderedDict()
+
+    def get(self, pattern, config: TileConfig, with_bits: bool, base: int, device: torch.device) -> tbl.TileTables:
+        key = (pattern.label, pattern.seq_len, config.block_m, config.block_n, with_bits, str(device))
+        if key not in self._entries:
+            view = pattern.block_sparse(base)
+            self._entries[key] = tbl.build_tables(view, config.block_m, config.block_n, with_bits).to(device)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return self._entries[key]
+
+
+TABLES = _TableCache()
+_TUNED: dict[tuple, tuple[TileConfig, dict[str, float | str]]] = {}
+
+
+def kernel_plan(pattern, config: TileConfig, base: int, device: torch.device) -> KernelPlan:
+    mask = tbl.mask_spec(pattern, [(config.block_m, config.block_n)])
+    tables = TABLES.get(pattern, config, mask.kind == tbl.MASK_BITS, base, device)
+    return KernelPlan(config, tables, mask)
+
+
+def plan_with_configs(pattern, q: Tensor, fwd: TileConfig, dkdv: TileConfig | None = None,
+                      dq: TileConfig | None = None) -> Plan:
+    """A plan with the given tile configurations (no tuning); backward configs None for forward only."""
+    used = [c for c in (fwd, dkdv, dq) if c is not None]
+    base = tbl.base_block([(c.block_m, c.block_n) for c in used])
+    plans = [None if c is None else kernel_plan(pattern, c, base, q.device) for c in (dkdv, dq)]
+    return Plan(kernel_plan(pattern, fwd, base, q.device), plans[0], plans[1], _is_interpreted(kernels()), {})
+
+
+def plan_attention(pattern, q: Tensor, k: Tensor, v: Tensor, needs_grad: bool) -> Plan:
+    """Tables, masks and (on a GPU) autotuned tile configurations for attention of q, k, v under `pattern`."""
+    if _is_interpreted(kernels()):
+        cfg = INTERPRETER_CONFIG
+        return plan_with_configs(pattern, q, cfg, cfg if needs_grad else None, cfg if needs_grad else None)
+
+    device = q.device
+    candidates = FWD_CONFIGS + (DKDV_CONFIGS + DQ_CONFIGS if needs_grad else ())
+    base = tbl.base_block([(c.block_m, c.block_n) for c in candidates])
+    tuning: dict[str, Any] = {}
+    shape_key = (pattern.label, pattern.seq_len, tuple(q.shape), str(q.dtype), str(device))
+    with _on_device(q):
+        fwd = _tune("fwd", FWD_CONFIGS, shape_key, tuning, pattern, base, device,
+                    lambda plan: run_forward(q, k, v, plan))
+        if not needs_grad:
+            return Plan(fwd, None, None, False, tuning)
+        o, lse = run_forward(q, k, v, fwd)
+        gen = torch.Generator(device=device).manual_seed(0)
+        do = torch.randn(o.shape, generator=gen, device=device, dtype=torch.float32).to(o.dtype)
+        delta = run_preprocess(o, do)
+        dkdv = _tune("bwd_dkdv", DKDV_CONFIGS, shape_key, tuning, pattern, base, device,
+                     lambda plan: run_dkdv(q, k, v, do, lse, delta, plan))
+        dq = _tune("bwd_dq", DQ_CONFIGS, shape_key, tuning, pattern, base, device,
+                   lambda plan: run_dq(q, k, v, do, lse, delta, plan))
+    return Plan(fwd, dkdv, dq, False, tuning)
+
+
+def _tune(kernel: str, configs: tuple[TileConfig, ...], shape_key: tuple, tuning: dict[str, Any], pattern,
+          base: int, device: torch.device, run) -> KernelPlan:
+    """The fastest of `configs` for one kernel, by triton.testing.do_bench; remembered per case shape."""
+    from triton.testing import do_bench
+
+    key = (kernel, *shape_key)
+    if key in _TUNED:  # tuned earlier in this process (same pattern and shapes): keep its choice
+        config, tuning[kernel] = _TUNED[key]
+        return kernel_plan(pattern, config, base, device)
+    timings: dict[str, float | str] = {}
+    best: tuple[float, KernelPlan] | None = None
+    for config in configs:
+        plan = kernel_plan(pattern, config, base, device)
+        try:
+            ms = float(do_bench(lambda plan=plan: run(plan), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
+                                return_mode="median"))
+        except Exception as exc:  # a config the GPU cannot hold (shared memory, registers) is skipped
+            timings[config.label] = f"{type(exc).__name__}: {str(exc).strip()[:120]}"
+            continue
+        timings[config.label] = round(ms, 4)
+        if best is None or ms < best[0]:
+            best = (ms, plan)
+    tuning[kernel] = timings
+    if best is None:
+        raise RuntimeError(f"no {kernel} tile configuration ran on this GPU: {timings}")
+    _TUNED[key] = (best[1].config, timings)
+    return best[1]
+
+
+_blas_controller: Any = None
+
+
+@contextlib.contextmanager
+def _on_device(t: Tensor):
+    """Launch context: the tensor's GPU, or in the interpreter numpy's BLAS held to one thread.
+
+    The interpreter multiplies each tile with numpy; BLAS threads woken for (64 x 64) products cost more than
+    they save (several times the whole kernel on a busy 2-core machine).
+    """
+    global _blas_controller
+    if t.device.type == "cuda" and not uses_interpreter():
+        with torch.cuda.device(t.device):
+            yield
+        return
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # optional: only the interpreter's speed depends on it
+        yield
+        return
+    if _blas_controller is None:
+        _blas_controller = ThreadpoolController()
+    with _blas_controller.limit(limits=1, user_api="blas"):
+        yield
+
+
+# --- launches -------------------------------------------------------------------------------------------------
+
+def _common(plan: KernelPlan, q: Tensor, interpreter_bf16: bool) -> dict[str, Any]:
+    m, t, c = plan.mask, plan.tables, plan.config
+    d = q.shape[-1]
+    return dict(band_lo=m.band_lo, band_hi=m.band_hi, dilation=m.dilation, n_global=m.global_tokens,
+                period=m.period, MASK_KIND=m.kind, HAS_DILATION=m.dilation > 1, HAS_GLOBAL=m.global_tokens > 0,
+                WORDS=t.words, BLOCK_M=c.block_m, BLOCK_N=c.block_n, D=d, HEAD_DIM=padded_head_dim(d),
+                DOT_F32=interpreter_bf16, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def _dot_f32(q: Tensor) -> bool:
+    """bfloat16 in the interpreter multiplies in float32 (see kernels._mma)."""
+    return q.dtype == torch.bfloat16 and _is_interpreted(kernels())
+
+
+def run_forward(q: Tensor, k: Tensor, v: Tensor, plan: KernelPlan) -> tuple[Tensor, Tensor]:
+    """(o (B, H, N, D) contiguous, lse (B*H, N) float32 base-2 log-sum-exp of the scaled scores)."""
+    b, h, n, d = q.shape
+    o = torch.empty((b, h, n, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b * h, n), dtype=torch.float32, device=q.device)
+    t = plan.tables
+    grid = (math.ceil(n / plan.config.block_m), b * h)
+    kernels().attn_fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(),
+                             t.row_offsets, t.row_full, t.row_cols, t.row_slots, t.mask_words,
+                             h, n, LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
+    return o, lse
+
+
+def run_preprocess(o: Tensor, do: Tensor) -> Tensor:
+    """delta = rowsum(o * do) in float32, (B*H, N); o and do contiguous (B, H, N, D)."""
+    b, h, n, d = o.shape
+    delta = torch.empty((b * h, n), dtype=torch.float32, device=o.device)
+    grid = (math.ceil(n / PREPROCESS_BLOCK), b * h)
+    kernels().attn_bwd_preprocess[grid](o, do, delta, n, BLOCK_M=PREPROCESS_BLOCK, D=d,
+                                        HEAD_DIM=padded_head_dim(d))
+    return delta
+
+
+def run_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
+             plan: KernelPlan) -> tuple[Tensor, Tensor]:
+    b, h, n, d = q.shape
+    dk = torch.empty((b, h, n, d), dtype=k.dtype, device=k.device)
+    dv = torch.empty((b, h, n, d), dtype=v.dtype, device=v.device)
+    t = plan.tables
+    grid = (math.ceil(n / plan.config.block_n), b * h)
+    kernels().attn_bwd_dkdv[grid](q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+                                  t.col_offsets, t.col_full, t.col_rows, t.col_slots, t.mask_words,
+                                  h, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
+    return dk, dv
+
+
+def run_dq(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, plan: KernelPlan) -> Tensor:
+    b, h, n, d = q.shape
+    dq = torch.empty((b, h, n, d), dtype=q.dtype, device=q.device)
+    t = plan.tables
+    grid = (math.ceil(n / plan.config.block_m), b * h)
+    kernels().attn_bwd_dq[grid](q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+                                t.row_offsets, t.row_full, t.row_cols, t.row_slots, t.mask_words,
+                                h, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
+    return dq
+
+
+class BlockSparseAttention(torch.autograd.Function):
+    """Differentiable block-sparse attention: forward saves O and the LSE, backward runs the two passes."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> Tensor:
+        with _on_device(q):
+            o, lse = run_forward(q, k, v, plan.fwd)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plan = plan
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        if plan.dkdv is None or plan.dq is None:
+            raise RuntimeError("this attention call was prepared without gradients (no tensor required grad)")
+        do = do.contiguous()
+        with _on_device(q):
+            delta = run_preprocess(o, do)
+            dk, dv = run_dkdv(q, k, v, do, lse, delta, plan.dkdv)
+            dq = run_dq(q, k, v, do, lse, delta, plan.dq)
+        return dq, dk, dv, None

@@ -1,0 +1,420 @@
+"""The data each dashboard figure is built from, checked against synthetic runs with known laws
+(tests/dashboard_runs.py), plus escaping, page assembly and the `bench dashboard` command line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import plotly.graph_objects as go
+import pytest
+
+from bench.cli import main
+from bench.dashboard.data import Row, current_rows, facets, rows_from_runs, varying_keys
+from bench.dashboard.escaping import plot_text, round_floats, script_json
+from bench.dashboard.figures import Colours, provenance
+from bench.dashboard.render import build_dashboard
+from bench.dashboard.suite_page import build_suite_page, suite_file_name
+from bench.dashboard.views_breakeven import break_even, break_even_data, breakeven_figures
+from bench.dashboard.views_comm import comm_figure, comm_series
+from bench.dashboard.views_correctness import correctness_figure, correctness_matrix
+from bench.dashboard.views_history import history_figure, history_series
+from bench.dashboard.views_memory import memory_data, memory_figure, peak_figure, peak_series
+from bench.dashboard.views_time import speedup_data, speedup_figure, time_figure, time_series
+from bench.index import load_index
+from bench.store import load_run
+from tests import dashboard_runs as store
+from tests.conftest import run_bench
+from tests.synthetic import commit_id, params, record, write_run
+
+HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(1)>"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("results")
+    paths = store.write_store(root)
+    return {"root": root, **{name: load_run(path) for name, path in paths.items()}}
+
+
+def facet_rows(run, pattern: str, dtype: str = "float32", mode: str = "fwd", device: str = store.CPU) -> list[Row]:
+    return facets(current_rows(rows_from_runs([run])))[(pattern, dtype, mode, device)]
+
+
+def by(items, **want):
+    return [x for x in items if all(getattr(x, k) == v for k, v in want.items())]
+
+
+# --- rows --------------------------------------------------------------------------------------------------
+
+
+def test_rows_carry_provenance_and_no_samples(runs) -> None:
+    rows = rows_from_runs([runs["sweep"], runs["model"]])
+    assert len(rows) == len(runs["sweep"].records) + len(runs["model"].records)
+    model = [r for r in rows if r.suite == "h100"]
+    assert {r.source for r in model} == {"modelled"} and {r.device for r in model} == {store.H100}
+    assert {r.source for r in rows if r.suite == "sweep"} == {"measured"}
+    triton = [r for r in rows if r.impl == "triton_block_sparse"]
+    assert triton and all(r.interpreter for r in triton)
+    assert all(r.commit == commit_id(3) and r.fingerprint for r in rows)
+    assert not hasattr(rows[0], "samples_s")  # rows keep the median and its interval, never raw samples
+    dense = next(r for r in rows if r.impl == "dense" and r.params["seq_len"] == 256)
+    assert dense.median_s == pytest.approx(store.T_DENSE[256])
+    assert dense.ci95_s is not None and dense.ci95_s[0] < dense.median_s < dense.ci95_s[1]
+
+
+def test_current_rows_keep_the_latest_run(tmp_path: Path) -> None:
+    p = params("local", 128)
+    old = write_run(tmp_path, commit=commit_id(1), records=[record("c1", "dense", store.samples(1.0), params=p)],
+                    started_at="2026-01-01T00:00:00.000000Z")
+    new = write_run(tmp_path, commit=commit_id(2), records=[record("c1", "dense", store.samples(2.0), params=p)],
+                    started_at="2026-01-02T00:00:00.000000Z")
+    rows = current_rows(rows_from_runs([load_run(new), load_run(old)]))
+    assert len(rows) == 1 and rows[0].median_s == pytest.approx(2.0) and rows[0].commit == commit_id(2)
+
+
+def test_facets_and_varying_keys(runs) -> None:
+    groups = facets(current_rows(rows_from_runs([runs["sweep"]])))
+    assert set(groups) == {("local", "float32", "fwd", store.CPU), ("block_random", "float32", "fwd", store.CPU),
+                           ("local", "float16", "fwd", store.CPU)}
+    local = groups[("local", "float32", "fwd", store.CPU)]
+    assert varying_keys(local) == ["seq_len", "window"]
+    assert varying_keys(local, exclude=["seq_len"]) == ["window"]
+
+
+# --- time and speedup ----------------------------------------------------------------------------------------
+
+
+def test_time_series_per_impl_and_window_with_ci_band(runs) -> None:
+    series = time_series(facet_rows(runs["sweep"], "local"))
+    names = {s.key.name() for s in series}
+    assert "dense (w=16)" in names and "dense (w=32)" in names
+    assert "triton_block_sparse (w=16) [Triton interpreter]" in names
+    assert not any(s.key.impl == "flex" for s in series)  # skipped: no time
+    dense = next(s for s in series if s.key.name() == "dense (w=16)")
+    assert dense.seq_len == [128, 256, 512]
+    assert dense.median_s == pytest.approx([store.T_DENSE[n] for n in (128, 256, 512)])
+    xs, lo, hi = dense.band()
+    assert xs == [128, 256, 512] and all(a < m < b for a, m, b in zip(lo, dense.median_s, hi, strict=True))
+    naive = next(s for s in series if s.key.name() == "naive_loop (w=16)")
+    assert naive.seq_len == [128, 256]  # out of memory at 512
+
+
+def test_time_figure_draws_band_and_labels_interpreter(runs) -> None:
+    fig = time_figure(facet_rows(runs["sweep"], "local"), Colours(["dense"]))
+    go.Figure(fig.plotly)
+    layout = fig.plotly["layout"]
+    assert layout["xaxis"]["type"] == "log" and layout["yaxis"]["type"] == "log"
+    bands = [t for t in fig.plotly["data"] if t.get("fill") == "toself"]
+    assert len(bands) == len([t for t in fig.plotly["data"] if t.get("mode") == "lines+markers"])
+    triton = [t for t in fig.plotly["data"] if "interpreter" in t["name"] and t.get("mode") == "lines+markers"]
+    assert triton and triton[0]["line"]["dash"] == "dot"
+    assert "Triton interpreter" in fig.provenance and "measured" in fig.provenance
+
+
+def test_speedup_over_dense_by_window_and_density(runs) -> None:
+    local = speedup_data(facet_rows(runs["sweep"], "local"))
+    assert local.baseline == "dense" and local.y_key == "window"
+    sdpa = next(p for p in local.panels if p.key.impl == "sdpa")
+    assert {(c.seq_len, c.y) for c in sdpa.cells} == {(n, w) for n in store.T_DENSE for w in store.WINDOWS}
+    assert all(c.speedup == pytest.approx(2.0) for c in sdpa.cells)
+    blocks = speedup_data(facet_rows(runs["sweep"], "block_random"))
+    assert blocks.y_key == "density"
+    csr = next(p for p in blocks.panels if p.key.impl == "csr")
+    for c in csr.cells:
+        assert c.speedup == pytest.approx(1 / (0.2 + 1.6 * c.y))
+    fig = speedup_figure(facet_rows(runs["sweep"], "block_random"))
+    go.Figure(fig.plotly)
+    heat = next(t for t in fig.plotly["data"] if t["name"] == "csr")
+    assert heat["y"] == [str(d) for d in store.DENSITIES] and heat["x"] == ["N=128", "N=256", "N=512"]
+
+
+@pytest.mark.parametrize(("pattern", "axis"), [("local", "window"), ("block_random", "density"),
+                                               ("bigbird", "density"), ("causal", None)])
+def test_speedup_axis_is_the_pattern_field_when_nothing_varies(pattern: str, axis: str | None, tmp_path: Path) -> None:
+    """One case per pattern (as the smoke suite has): the axis is the field the pattern reads, from its label."""
+    from bench.case import Case
+    from bench.dashboard.views_time import speedup_y_key
+
+    case = Case(pattern=pattern, seq_len=128, window=16, density=0.25, block_size=32, global_tokens=2)
+    row = rows_from_runs([load_run(write_run(tmp_path, commit=commit_id(1), records=[
+        record(case.case_id, "dense", store.samples(1e-3), params=case.params())]))])[0]
+    assert speedup_y_key([row]) == axis
+
+
+def test_speedup_falls_back_to_sdpa_and_says_so(runs) -> None:
+    rows = [r for r in facet_rows(runs["sweep"], "local") if r.impl != "dense"]
+    data = speedup_data(rows)
+    assert data.baseline == "sdpa"
+    assert speedup_figure(rows).notes == ["no dense records here: speedups are over sdpa"]
+
+
+# --- memory and peak ------------------------------------------------------------------------------------------
+
+
+def test_memory_series_and_unmeasured_marks(runs) -> None:
+    data = memory_data(facet_rows(runs["sweep"], "local"))
+    csr = next(s for s in data.series if s.key.name() == "csr (w=32)")
+    assert csr.seq_len == [128, 256, 512] and csr.peak_bytes == [n * 32 * 64 for n in (128, 256, 512)]
+    kinds = {(m.kind, m.row.impl, m.row.params["seq_len"]) for m in data.marks}
+    assert ("out of memory", "naive_loop", 512) in kinds
+    assert ("skipped", "flex", 128) in kinds
+    fig = memory_figure(facet_rows(runs["sweep"], "local"), Colours([]))
+    go.Figure(fig.plotly)
+    oom = next(t for t in fig.plotly["data"] if t["name"].startswith("out of memory"))
+    assert oom["yaxis"] == "y2" and "tried to allocate 2.0 GiB" in oom["hovertext"][0]
+
+
+def test_peak_fraction_of_a_model_is_labelled_model(runs) -> None:
+    rows = facet_rows(runs["model"], "local", device=store.H100)
+    series = peak_series(rows)
+    assert {k.name() for k in series} == {"dense [model]", "csr [model]"}
+    fig = peak_figure(rows, Colours([]))
+    go.Figure(fig.plotly)
+    dense = next(t for t in fig.plotly["data"] if t["name"] == "dense [model]")
+    assert dense["y"] == pytest.approx([40.0] * 3)
+    assert fig.plotly["layout"]["title"]["text"].startswith("MODEL - ")
+    assert fig.provenance.startswith("MODEL (not measured)") and store.H100 in fig.provenance
+    assert all(t["line"]["dash"] == "dash" for t in fig.plotly["data"])
+    time = time_figure(rows, Colours([]))
+    assert all("[model]" in t["name"] for t in time.plotly["data"])
+
+
+def test_mixed_measured_and_modelled_traces_stay_apart(runs) -> None:
+    rows = rows_from_runs([runs["model"]])
+    measured = [Row(**{**r.__dict__, "source": "measured"}) for r in rows if r.impl == "dense"]
+    series = time_series(rows + measured)
+    assert {s.key.source for s in series if s.key.impl == "dense"} == {"measured", "modelled"}
+    assert provenance(rows + measured).kind.startswith("measured, and model traces")
+
+
+# --- communication -----------------------------------------------------------------------------------------
+
+
+def test_comm_points_over_closed_form(runs) -> None:
+    rows = facet_rows(runs["comm"], "local")
+    series = {s.key.impl: s for s in comm_series(rows)}
+    ring = series["cp_ring"]
+    assert ring.world_size == [2, 4]
+    expected = [(p - 1) * 2 * 256 * 4 * 32 * 4 for p in (2, 4)]
+    assert ring.expected_bytes == expected and ring.bytes_total == [expected[0], expected[1] + 4096]
+    assert [r.params["world_size"] for r in ring.mismatches] == [4]
+    assert series["tp_heads"].mismatches == []
+    fig = comm_figure(rows, Colours([]))
+    go.Figure(fig.plotly)
+    lines = [t for t in fig.plotly["data"] if t["name"].endswith("closed form")]
+    assert {t["name"] for t in lines} == {"cp_ring closed form", "tp_heads closed form"}
+    assert fig.notes == ["cp_ring: 1 record(s) differ from the closed form"]
+    assert "comm gloo" in fig.provenance
+
+
+# --- break-even ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("points", "expected"), [
+    ([(0.1, 0.5), (0.3, 0.9), (0.6, 1.5)], (0.35, "exact")),  # crosses between 0.3 and 0.6
+    ([(0.1, 0.5), (0.9, 0.8)], (0.9, "above")),  # faster everywhere: a lower bound
+    ([(0.1, 1.2), (0.9, 3.0)], (0.1, "below")),  # slower everywhere: an upper bound
+    ([(0.2, 1.0), (0.5, 2.0)], (0.2, "exact")),
+    ([(0.6, 1.5), (0.1, 0.5), (0.3, 1.1), (0.45, 0.9)], (0.1 + 0.5 * 0.2 / 0.6, "exact")),  # first crossing
+])
+def test_break_even_interpolation(points, expected) -> None:
+    density, bound = break_even(points)
+    assert bound == expected[1] and density == pytest.approx(expected[0])
+
+
+def test_break_even_of_csr_against_dense_and_sdpa(runs) -> None:
+    items = break_even_data(facet_rows(runs["sweep"], "block_random"))
+    assert {(i.key.impl, i.baseline) for i in items} == {("csr", "dense"), ("csr", "sdpa")}
+    for item in items:
+        assert item.bound == "exact" and [p.density for p in item.points] == list(store.DENSITIES)
+        assert item.density == pytest.approx(0.5 if item.baseline == "dense" else 0.1875)
+    assert sorted({i.seq_len for i in items}) == [128, 256, 512]
+    figures = breakeven_figures(facet_rows(runs["sweep"], "block_random"), Colours([]))
+    assert [f.view for f in figures] == ["breakeven", "breakeven_ratio"]
+    for f in figures:
+        go.Figure(f.plotly)
+        assert any(n.startswith("how: linear interpolation") for n in f.notes)
+    summary = figures[0].plotly["data"]
+    assert {t["name"] for t in summary} == {"csr vs dense", "csr vs sdpa"}
+    assert next(t for t in summary if t["name"] == "csr vs dense")["y"] == pytest.approx([0.5] * 3)
+    assert break_even_data(facet_rows(runs["sweep"], "local")) == []  # no density sweep there
+
+
+# --- correctness -------------------------------------------------------------------------------------------
+
+
+def test_correctness_matrix_cells_and_hover(runs) -> None:
+    rows = facet_rows(runs["sweep"], "local")
+    matrix = correctness_matrix(rows)
+    assert "triton_block_sparse [Triton interpreter]" in matrix.impls
+    labels = dict(matrix.cases)
+    assert len(labels) == len(store.T_DENSE) * len(store.WINDOWS) and labels[rows[0].case_id] == "N=128, w=16"
+    naive_512 = next(c for c, label in matrix.cases if label == "N=512, w=16")
+    assert matrix.status("naive_loop", naive_512) == "failed"
+    assert matrix.status("flex", naive_512) == "skipped" and matrix.status("dense", naive_512) == "ok"
+    fig = correctness_figure(rows)
+    go.Figure(fig.plotly)
+    heat = fig.plotly["data"][0]
+    row = heat["y"].index("naive_loop")
+    assert heat["z"][row][heat["x"].index("N=512, w=16")] == 3
+    assert "out of memory during call" in heat["hovertext"][row][heat["x"].index("N=512, w=16")]
+    bad = correctness_figure(facet_rows(runs["sweep"], "local", dtype="float16"))
+    assert "rel. L2 error 5.00e-01 (tolerance 1e-04)" in bad.plotly["data"][0]["hovertext"][0][0]
+
+
+# --- history -------------------------------------------------------------------------------------------------
+
+
+def test_history_finds_the_step_with_its_commit_range(runs) -> None:
+    nightly = [runs[f"history{i}"] for i in range(4)]
+    rows = rows_from_runs(nightly)
+    items, commits = history_series(nightly, rows, "nightly")
+    assert commits == [commit_id(i) for i in range(4)]
+    dense = [it for it in items if it.series.impl == "dense"]
+    assert len(dense) == 3 and all(len(it.series.points) == 4 for it in dense)
+    for it in dense:
+        (step,) = it.series.steps
+        assert (step.commit_before, step.commit_after, step.direction) == (commit_id(1), commit_id(2), "slower")
+        assert step.ratio == pytest.approx(2.0, rel=0.01)
+    assert all(not it.series.steps for it in items if it.series.impl == "sdpa")
+    fig = history_figure(items, commits, Colours([]))
+    go.Figure(fig.plotly)
+    steps = [t for t in fig.plotly["data"] if t["name"].endswith(" steps")]
+    assert len(steps) == 3 and all(t["x"] == [commit_id(2)[:8]] for t in steps)
+    assert fig.plotly["layout"]["xaxis"]["categoryarray"] == [commit_id(i)[:8] for i in range(4)]
+    assert "between commits" in steps[0]["hovertext"][0]
+    one_commit = history_series([runs["sweep"]], rows_from_runs([runs["sweep"]]), "sweep")
+    assert history_figure(one_commit[0], one_commit[1], Colours([])) is None
+
+
+def test_models_never_enter_history(runs) -> None:
+    items, commits = history_series([runs["model"]], rows_from_runs([runs["model"]]), "h100")
+    assert items == [] and commits == []
+
+
+# --- provenance and escaping ----------------------------------------------------------------------------------
+
+
+def test_provenance_names_device_backend_commit_and_kind(runs) -> None:
+    text = provenance(rows_from_runs([runs["comm"]])).text()
+    assert text == f"measured · device {store.CPU} · backend cpu, comm gloo · commit {commit_id(3)[:7]}"
+    model = provenance(rows_from_runs([runs["model"]])).text()
+    assert model == f"MODEL (not measured) · device {store.H100} · backend model · commit {commit_id(3)[:7]}"
+
+
+def test_escaping() -> None:
+    data = {"name": "</script><!-- & \u2028", "x": [1.234567891, float("nan")]}
+    text = script_json(round_floats(data))
+    assert not re.search(r"[<>&\u2028]", text)
+    assert json.loads(text)["name"] == data["name"]
+    assert round_floats(data)["x"] == [1.2346, None]
+    assert plot_text(HOSTILE) == ("&lt;script&gt;alert(1)&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;")
+
+
+def test_hostile_strings_reach_figures_only_escaped(tmp_path: Path) -> None:
+    p = params(HOSTILE, 128)
+    records = [record("c1", "dense", store.samples(1e-3), params=p, device=HOSTILE),
+               record("c1", HOSTILE, None, params=p, status="failed", reason=HOSTILE, device=HOSTILE)]
+    run = load_run(write_run(tmp_path, commit=commit_id(1), records=records))
+    rows = rows_from_runs([run])
+    page = build_suite_page(HOSTILE, [run], rows, [], [], Colours([HOSTILE]))
+    assert page.figures
+    for fig in page.figures:
+        go.Figure(fig.plotly)
+        dumped = json.dumps(fig.plotly)
+        assert "<script" not in dumped and "<img" not in dumped and "&lt;script&gt;" in dumped
+
+
+def test_odd_records_render_without_crashing(tmp_path: Path) -> None:
+    """Records are data: parameters of the wrong type, missing or out of range never stop the render."""
+    odd = [record("a", "dense", store.samples(1e-3), params={"seq_len": "big", "pattern": None, "window": [1, 2]}),
+           record("b", "dense", store.samples(1e-3), params={}),
+           record("c", "csr", store.samples(2e-3), params=params("block_random", 128, density=True)),
+           record("d", "dense", store.samples(1e-3), params=params("block_random", 128, density=0.5),
+                  memory={"peak_bytes": -5}),
+           record("e", "csr", [0.0] * 6, params=params("block_random", 128, density=0.5)),
+           record("f", "x", store.samples(1e-3), params=params("local", 128, world_size="4"),
+                  comm={"backend": "gloo", "bytes_total": 0, "bytes_max_rank": 0, "by_op": {}}),
+           record("g", "dense", store.samples(1e-3), params=params("local", -1))]
+    run = load_run(write_run(tmp_path, commit=commit_id(1), records=odd))
+    result = build_dashboard([run], tmp_path / "out")
+    html = result.pages[0].read_text()
+    data = json.loads(re.search(r'type="application/json">(.*?)</script>', html, re.S).group(1))
+    assert data["figures"]
+    for figure in data["figures"].values():
+        go.Figure(figure)
+
+
+# --- pages and the command line -----------------------------------------------------------------------------
+
+
+def test_suite_file_names() -> None:
+    assert suite_file_name("smoke") == "suite-smoke.html"
+    hostile = suite_file_name(HOSTILE)
+    assert re.fullmatch(r"suite\.[0-9a-f]{16}\.html", hostile)
+    assert suite_file_name("../../etc") != suite_file_name("../../etd") and "/" not in suite_file_name("../../etc")
+
+
+def test_build_dashboard_writes_pages_assets_and_small_data(runs, tmp_path: Path) -> None:
+    index = load_index(runs["root"])
+    out = tmp_path / "dash"
+    result = build_dashboard(index.runs, out)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["assets", "index.html", "suite-h100.html", "suite-multi.html", "suite-nightly.html",
+                     "suite-sweep.html"]
+    assert sorted(p.name for p in (out / "assets").iterdir()) == ["dashboard.css", "dashboard.js", "plotly.min.js"]
+    for page in result.pages:
+        html = page.read_text()
+        assert '<script src="assets/plotly.min.js"></script>' in html
+        assert "cdn" not in html.lower() and "https://" not in html
+        data = json.loads(re.search(r'<script id="dashboard-data" type="application/json">(.*?)</script>', html,
+                                    re.S).group(1))
+        ids = re.findall(r'data-figure="(fig\d+)"', html)
+        assert ids and sorted(ids) == sorted(data["figures"])
+        for figure in data["figures"].values():
+            go.Figure(figure)
+    sweep = (out / "suite-sweep.html").read_text()
+    # raw samples stay out of the page: a sample off the median (median * 1.01) never appears
+    assert f"{store.T_DENSE[256] * 1.01:.5g}" not in sweep and len(sweep) < 400_000
+    index_html = (out / "index.html").read_text()
+    for name in ("sweep", "multi", "h100", "nightly"):
+        assert f'href="suite-{name}.html"' in index_html
+    assert commit_id(2) in index_html and "model" in index_html
+    views = set(re.findall(r'class="view view-(\w+)"', sweep))
+    assert views == {"time", "speedup", "memory", "breakeven", "breakeven_ratio", "correctness"}
+    stale = out / "suite-gone.html"
+    stale.write_text("old")
+    build_dashboard(index.runs, out)
+    assert not stale.exists()
+
+
+def test_cli_dashboard_default_store_and_bad_input(runs, tmp_path: Path, capsys) -> None:
+    def bench(*args: str) -> tuple[int, str, str]:
+        code = main(["dashboard", *args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, out, _ = bench("--results", str(runs["root"]), "-o", str(tmp_path / "out"))
+    assert code == 0 and "4 suite page(s)" in out and (tmp_path / "out" / "index.html").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = bench("--results", str(empty), "-o", str(tmp_path / "out2"))
+    assert code == 2 and "no runs to show" in err
+    broken = write_run(tmp_path / "broken", commit=commit_id(1), records=[])
+    (broken / "records.jsonl").write_text('{"case_id": 1}\n')
+    code, _, err = bench(str(broken), "-o", str(tmp_path / "out3"))
+    assert code == 2 and f"{broken / 'records.jsonl'}" in err and "line 1" in err
+    weird = write_run(tmp_path / "weird", commit=commit_id(1), records=[])
+    info = json.loads((weird / "run.json").read_text())
+    info["env"]["git"] = "main"
+    (weird / "run.json").write_text(json.dumps(info))
+    code, _, err = bench(str(weird), "-o", str(tmp_path / "out4"))
+    assert code == 2 and "env.git: got str; expected an object" in err and "run.json" in err
+
+
+def test_cli_dashboard_runs_as_a_command(runs, tmp_path: Path) -> None:
+    done = run_bench("dashboard", str(runs["sweep"].path), "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "suite-sweep.html").is_file() and "1 suite page(s)" in done.stdout

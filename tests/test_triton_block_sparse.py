@@ -1,0 +1,364 @@
+"""triton_block_sparse on CPU: lookup tables against the pattern exactly, tile configurations, and the kernels
+(through the Triton interpreter) against the float64 oracle, forward and gradients.
+
+The conformance test already runs this implementation with its interpreter configuration; here the kernels
+run with small asymmetric tiles (many tiles, partial ones at the sequence end), with every GPU candidate tile
+shape, on a pattern with empty rows, and through the measuring worker's code path. GPU-only checks are in
+test_triton_block_sparse_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.case import Case
+from bench.console import summary_table
+from bench.measure import CaseCache, Task, measure_task
+from bench.patterns import PATTERNS, Pattern, make_pattern
+from bench.reference import compare, reference_attention, tolerance_for
+from bench.registry import get
+from impls.triton_block_sparse import launch, tables
+from impls.triton_block_sparse.launch import TileConfig
+from tests.conftest import ROOT
+
+FIELDS = dict(window=12, density=0.3, block_size=16, dilation=3, global_tokens=2, seed=5)
+N = 75  # a multiple of no tile side: every kernel meets partial tiles at the end of the sequence
+CPU_ONLY = pytest.mark.skipif(not launch.uses_interpreter(),
+                              reason="this process runs compiled kernels; these tests use the interpreter "
+                                     "(run them on CPU or with TRITON_INTERPRET=1)")
+
+
+def pattern_for(name: str, n: int = N) -> Pattern:
+    fields = dict(FIELDS)
+    if name == "axial":  # seq_len = R*C: the smallest divisor of n that is at least sqrt(n)
+        fields["window"] = next(c for c in range(math.isqrt(n), n + 1) if c > 0 and n % c == 0)
+    return make_pattern(name, n, **fields)
+
+
+# --- lookup tables --------------------------------------------------------------------------------------
+
+def tile_views(mask: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the dense mask: (listed, full, tiles) per (query tile, key tile); tiles (nq, bm, nk, bn)."""
+    n = mask.shape[0]
+    nq, nk = math.ceil(n / bm), math.ceil(n / bn)
+    padded = torch.zeros(nq * bm, nk * bn, dtype=torch.bool)
+    padded[:n, :n] = mask
+    tiles = padded.view(nq, bm, nk, bn)
+    listed = tiles.any(dim=3).any(dim=1)
+    row_valid = (torch.arange(nq * bm) < n).view(nq, bm, 1, 1)
+    keys_in_range = (torch.arange(1, nk + 1) * bn <= n)[None, :]
+    full = (tiles | ~row_valid).all(dim=3).all(dim=1) & keys_in_range & listed
+    return listed, full, tiles
+
+
+def unpack(words: torch.Tensor, block_n: int) -> torch.Tensor:
+    """(bm, words) int32 -> (bm, block_n) bool."""
+    bits = (words.long()[:, :, None] >> torch.arange(32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :block_n].bool()
+
+
+def listing(offsets: torch.Tensor, full_counts: torch.Tensor, items: torch.Tensor, slots: torch.Tensor):
+    """Per major index: [(minor, is_full, slot)] in table order."""
+    out = []
+    for major in range(len(offsets) - 1):
+        lo, hi = int(offsets[major]), int(offsets[major + 1])
+        n_full = int(full_counts[major])
+        out.append([(int(items[t]), t - lo < n_full, int(slots[t])) for t in range(lo, hi)])
+    return out
+
+
+TILE_SHAPES = [(16, 16), (32, 16), (16, 32), (64, 32)]
+
+
+@pytest.mark.parametrize("shape", TILE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("pattern_name", sorted(PATTERNS))
+def test_tables_match_the_pattern_exactly(pattern_name, shape):
+    pattern = pattern_for(pattern_name, 97)
+    bm, bn = shape
+    t = tables.build_tables(pattern.block_sparse(tables.base_block([shape])), bm, bn, with_bits=True)
+    mask = pattern.dense_mask()
+    listed, full, tiles = tile_views(mask, bm, bn)
+    if bm == bn:
+        assert torch.equal(listed, pattern.block_layout(bm))
+
+    rows = listing(t.row_offsets, t.row_full, t.row_cols, t.row_slots)
+    cols = listing(t.col_offsets, t.col_full, t.col_rows, t.col_slots)
+    got_listed = torch.zeros_like(listed)
+    got_full = torch.zeros_like(full)
+    slot_of: dict[tuple[int, int], int] = {}
+    for r, entries in enumerate(rows):
+        # full tiles first, then partial; key tiles increasing within each group
+        flags = [f for _, f, _ in entries]
+        assert flags == sorted(flags, reverse=True)
+        for group in (True, False):
+            idx = [c for c, f, _ in entries if f == group]
+            assert idx == sorted(idx)
+        for c, is_full, slot in entries:
+            got_listed[r, c] = True
+            got_full[r, c] = is_full
+            assert (slot == -1) == is_full
+            slot_of[(r, c)] = slot
+    assert torch.equal(got_listed, listed)
+    assert torch.equal(got_full, full)
+    assert t.n_full == int(full.sum()) and t.n_partial == int((listed & ~full).sum())
+    assert sorted(s for s in slot_of.values() if s >= 0) == list(range(t.n_partial))
+
+    # the transposed table lists the same tiles, with the same fullness and slots
+    for c, entries in enumerate(cols):
+        assert [f for _, f, _ in entries] == sorted((f for _, f, _ in entries), reverse=True)
+        for r, is_full, slot in entries:
+            assert is_full == bool(full[r, c]) and slot == slot_of[(r, c)]
+    assert sum(len(e) for e in cols) == int(listed.sum())
+
+    # each partial tile's bitmask is the pattern inside it (False past the sequence end)
+    for (r, c), slot in slot_of.items():
+        if slot >= 0:
+            assert torch.equal(unpack(t.mask_words[slot], bn), tiles[r, :, c, :]), (r, c)
+
+    # without bitmasks, the partial tiles that only the sequence end cuts are marked for the formula kernels
+    formula = tables.build_tables(pattern.block_sparse(tables.base_block([shape])), bm, bn, with_bits=False)
+    assert torch.equal(formula.row_cols, t.row_cols) and torch.equal(formula.col_rows, t.col_rows)
+    n_q, n_k = math.ceil(97 / bm), math.ceil(97 / bn)
+    outside = (torch.arange(n_q * bm) >= 97).view(n_q, bm, 1, 1) | (torch.arange(n_k * bn) >= 97).view(1, 1, n_k, bn)
+    cut_by_end = (tiles | outside).all(dim=3).all(dim=1) & listed & ~full
+    for r, entries in enumerate(listing(formula.row_offsets, formula.row_full, formula.row_cols,
+                                        formula.row_slots)):
+        for c, is_full, slot in entries:
+            assert (slot == tables.BOUNDS_ONLY) == bool(cut_by_end[r, c]) and (slot == -1) == is_full
+
+
+def test_tables_do_not_depend_on_the_base_block():
+    pattern = pattern_for("bigbird", 130)
+    a = tables.build_tables(pattern.block_sparse(16), 64, 32, with_bits=True)
+    b = tables.build_tables(pattern.block_sparse(32), 64, 32, with_bits=True)
+    for field in ("row_offsets", "row_full", "row_cols", "row_slots", "col_offsets", "col_full", "col_rows",
+                  "col_slots", "mask_words"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+def test_tables_reject_a_tile_the_view_cannot_build():
+    with pytest.raises(ValueError, match="tile 48x32 is not a multiple of the view's block size 32"):
+        tables.build_tables(pattern_for("local").block_sparse(32), 48, 32, with_bits=False)
+
+
+@pytest.mark.parametrize("pattern_name, shape, kind", [
+    ("dense", (64, 64), "bounds"), ("causal", (64, 64), "band"), ("local", (32, 16), "band"),
+    ("causal_local", (64, 64), "band"), ("dilated", (64, 64), "band"), ("longformer", (64, 64), "band"),
+    ("strided", (64, 64), "strided"), ("axial", (64, 64), "axial"), ("random", (16, 16), "bitmask"),
+    ("block_random", (16, 16), "bounds"), ("block_random", (32, 16), "bitmask"),
+    ("bigbird", (16, 16), "band"), ("bigbird", (64, 64), "bitmask"),
+])
+def test_mask_choice(pattern_name, shape, kind):
+    spec = tables.mask_spec(pattern_for(pattern_name), [shape])
+    assert spec.name == kind
+    if pattern_name == "dilated":
+        assert (spec.band_lo, spec.band_hi, spec.dilation) == (-6, 6, 3)
+    if pattern_name in ("longformer", "bigbird") and kind == "band":
+        assert spec.global_tokens == 2
+
+
+# --- configurations -------------------------------------------------------------------------------------
+
+def test_tile_configs_are_valid():
+    groups = {"fwd": launch.FWD_CONFIGS, "dkdv": launch.DKDV_CONFIGS, "dq": launch.DQ_CONFIGS}
+    for name, configs in groups.items():
+        assert configs and len(set(configs)) == len(configs), name
+        for c in (*configs, launch.INTERPRETER_CONFIG):
+            for side in (c.block_m, c.block_n):
+                assert 16 <= side <= 128 and side & (side - 1) == 0, (name, c)  # tl.dot and tl.arange
+            assert c.num_warps in (2, 4, 8) and 1 <= c.num_stages <= 5, (name, c)
+    everything = [(c.block_m, c.block_n) for cs in groups.values() for c in cs]
+    assert tables.base_block(everything) == 32  # one pattern view at 32 serves every candidate
+    assert launch.padded_head_dim(16) == 16 and launch.padded_head_dim(24) == 32
+    assert launch.padded_head_dim(80) == 128 and launch.padded_head_dim(128) == 128
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**base, "PYTHONPATH": str(ROOT), **env})
+
+
+RUN_ONE_FORWARD = """
+import torch
+from bench.patterns import make_pattern
+from impls.triton_block_sparse import launch
+pattern = make_pattern("local", 40, window=8)
+q = torch.randn(1, 1, 40, 16)
+plan = launch.plan_attention(pattern, q, q, q, needs_grad=False)
+print(launch.BlockSparseAttention.apply(q, q, q, plan).shape)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without CUDA")
+def test_interpreter_mode_is_chosen_before_anything_imports_triton():
+    """Triton fixes its library functions' mode when first imported: importing impls first must make a later
+    triton import (FlexAttention's compiler, the environment capture) an interpreter-mode one."""
+    proc = _python("import impls\nimport triton.language as tl\nprint(type(tl.zeros).__name__)" + RUN_ONE_FORWARD)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "InterpretedFunction" in proc.stdout and "torch.Size([1, 1, 40, 16])" in proc.stdout
+    from bench.env import capture
+
+    assert "triton" in capture("cpu")["versions"]  # from package metadata, without importing triton
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without CUDA")
+def test_triton_imported_first_in_compiled_mode_is_a_clear_error():
+    proc = _python("import triton.language\n" + RUN_ONE_FORWARD)
+    assert proc.returncode != 0
+    assert "imported in this process before TRITON_INTERPRET=1 was set" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_every_candidate_compiles_for_hopper():
+    """Ahead-of-time compilation to a cubin for sm_90 (no GPU needed): every kernel and tile candidate,
+    bitmask variant (the largest), head_dim 128, within the per-block shared memory of H100/H200."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")  # fusion on: Triton 3.9's default, stated
+    proc = subprocess.run([sys.executable, "-m", "impls.triton_block_sparse.compile_check", "--arch", "90",
+                           "--head-dim", "128", "--dtype", "bfloat16"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    expected = 1 + len(launch.FWD_CONFIGS) + len(launch.DKDV_CONFIGS) + len(launch.DQ_CONFIGS)
+    assert len(results) == expected
+    for r in results:
+        assert r["ok"] and r["has_cubin"], r
+        assert 0 < r["shared"] <= r["shared_limit"], r
+
+
+# --- kernels against the oracle (interpreter) ---------------------------------------------------------
+
+SMALL = dict(fwd=TileConfig(32, 16, 4, 1), dkdv=TileConfig(16, 32, 4, 1), dq=TileConfig(32, 16, 4, 1))
+
+
+def check_against_oracle(pattern: Pattern, plan_configs: dict, dtype: torch.dtype, head_dim: int,
+                         batch: int = 1, heads: int = 2) -> None:
+    n = pattern.seq_len
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, grad_out = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    plan = launch.plan_with_configs(pattern, q, plan_configs["fwd"], plan_configs["dkdv"], plan_configs["dq"])
+    out = launch.BlockSparseAttention.apply(q, k, v, plan)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves, pattern)
+    expected = torch.autograd.grad(ref, leaves, grad_out.double())
+    tol = tolerance_for({torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype])
+    for name, a, e in [("out", out, ref), *zip(("dq", "dk", "dv"), got, expected, strict=True)]:
+        stats = compare(a, e, tol)
+        assert stats.passed, f"{pattern.label} {dtype} D={head_dim} {name}: rel_l2 {stats.rel_l2} > {tol}"
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("head_dim", [16, 80])  # exact, and padded to 128 inside the kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("pattern_name", sorted(PATTERNS))
+def test_kernels_match_oracle_with_small_tiles(pattern_name, dtype, head_dim):
+    check_against_oracle(pattern_for(pattern_name), SMALL, dtype, head_dim)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("pattern_name, kind", [("block_random", "bounds"), ("bigbird", "band")])
+def test_random_blocks_aligned_with_tiles_use_formula_masks(pattern_name, kind):
+    """16-tiles over the pattern's 16-blocks: kept random blocks are whole tiles, the rest a formula."""
+    configs = dict(fwd=TileConfig(16, 16, 4, 1), dkdv=TileConfig(16, 16, 4, 1), dq=TileConfig(16, 16, 4, 1))
+    pattern = pattern_for(pattern_name)
+    assert tables.mask_spec(pattern, [(16, 16)]).name == kind
+    check_against_oracle(pattern, configs, torch.float32, 32)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("index", range(3))
+def test_gpu_candidate_tiles_are_correct_in_the_interpreter(index):
+    """The GPU's tile shapes (up to 128, bitmasks where block_random's 64-blocks do not align)."""
+    configs = dict(fwd=launch.FWD_CONFIGS[index], dkdv=launch.DKDV_CONFIGS[index], dq=launch.DQ_CONFIGS[index])
+    pattern = make_pattern("bigbird", 200, window=40, global_tokens=3, density=0.2, block_size=64, seed=1)
+    check_against_oracle(pattern, configs, torch.float16, 64, heads=1)
+
+
+class LateCausal(Pattern):
+    """Not in the table: rows before `start` may attend to nothing (irregular, so bitmasks)."""
+
+    name = "late_causal"
+    start = 20
+
+    def allowed(self, i, j):
+        return (j <= i) & (i >= self.start)
+
+
+@CPU_ONLY
+def test_rows_without_keys_give_zero_output_and_gradient():
+    pattern = LateCausal(N)
+    assert tables.mask_spec(pattern, [(32, 16)]).name == "bitmask"
+    check_against_oracle(pattern, SMALL, torch.float32, 32)
+    q, k, v = (torch.randn(1, 2, N, 32, requires_grad=True) for _ in range(3))
+    out = launch.BlockSparseAttention.apply(q, k, v, launch.plan_with_configs(pattern, q, **SMALL))
+    out.sum().backward()
+    assert out[:, :, : LateCausal.start].abs().max() == 0
+    assert q.grad[:, :, : LateCausal.start].abs().max() == 0
+    assert out[:, :, LateCausal.start :].abs().min() >= 0 and out[:, :, LateCausal.start :].abs().sum() > 0
+
+
+@CPU_ONLY
+def test_non_contiguous_inputs():
+    """q, k, v as views of a (B, N, H, D) tensor: strides are passed to the kernels, not copied away."""
+    pattern = pattern_for("local")
+    base = torch.randn(1, N, 2, 3, 32)  # (B, N, H, qkv, D)
+    q, k, v = (base[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D) views
+    assert not q.is_contiguous()
+    plan = launch.plan_with_configs(pattern, q, SMALL["fwd"])
+    out = launch.BlockSparseAttention.apply(q, k, v, plan)
+    assert compare(out, reference_attention(q, k, v, pattern), 1e-4).passed
+
+
+# --- the implementation in the harness --------------------------------------------------------------------
+
+@CPU_ONLY
+def test_record_says_interpreter_and_carries_the_config():
+    case = Case(batch=1, heads=2, head_dim=32, seq_len=90, pattern="block_random", density=0.3, block_size=32,
+                mode="fwd_bwd", device="cpu")
+    task = Task(case.params(), case.case_id, case.params(), "triton_block_sparse",
+                {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "check": True})
+    record = measure_task(task, CaseCache())
+    assert record.status == "ok", (record.reason, record.details)
+    assert record.interpreter is True
+    config = record.config
+    assert config["interpreter"] is True
+    tile = launch.INTERPRETER_CONFIG
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        assert (config[kernel]["block_m"], config[kernel]["block_n"]) == (tile.block_m, tile.block_n)
+        assert config[kernel]["mask"] == "bitmask"  # tiles over several 32-blocks: irregular inside a tile
+    case_tiles = make_pattern("block_random", 90, density=0.3, block_size=32).block_layout(tile.block_m)
+    assert config["fwd"]["tiles_full"] + config["fwd"]["tiles_partial"] == int(case_tiles.sum())
+    assert record.error.rel_l2 <= record.error.tolerance == 1e-4
+    table = summary_table([record], {case.case_id: case.label}, ["triton_block_sparse"])
+    assert "Triton interpreter on CPU" in str(table.caption)
+
+
+def test_unsupported_cases_say_why(monkeypatch):
+    impl = get("triton_block_sparse")
+    assert "head_dim 16..128 (got 8)" in impl.unsupported(Case(head_dim=8, device="cpu"))
+    assert "head_dim 16..128 (got 256)" in impl.unsupported(Case(head_dim=256, device="cpu"))
+    assert "at most 65535" in impl.unsupported(Case(batch=2, heads=40000, device="cpu"))
+    monkeypatch.setattr(launch, "uses_interpreter", lambda: False)
+    assert "TRITON_INTERPRET=1" in impl.unsupported(Case(device="cpu"))
+    assert impl.unsupported(Case(device="cuda", dtype="bfloat16")) is None
+    assert impl.tf32(Case(device="cuda", dtype="float32")) is True
+    assert impl.tf32(Case(device="cuda", dtype="bfloat16")) is False
+
+
+@CPU_ONLY
+def test_without_cuda_the_kernels_are_interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = launch.kernels()
+    assert isinstance(module.attn_fwd, InterpretedFunction)
+    assert os.environ.get("TRITON_INTERPRET") == "1"
