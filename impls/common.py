@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -84,3 +86,27 @@ def run_steps(steps: list[Callable[[], T]], device: torch.device) -> list[T]:
         return list(_pool.map(run, steps))
     finally:
         torch.set_num_threads(threads)  # the pool threads' setting is also the default of threads made later
+
+
+class InOrder:
+    """Lets step i into its block only after steps 0..i-1 have been through theirs.
+
+    Steps on threads that add into one shared gradient would otherwise add in the order the threads happen
+    to finish, and float sums in another order differ in the last bits: two identical runs would report
+    different gradient errors. Each step must call `turn(i)` exactly once, also when it has nothing to add or
+    failed before (`skip=True` passes the turn on), or the steps after it wait forever.
+    """
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._ready = threading.Condition()
+
+    @contextmanager
+    def turn(self, i: int) -> Iterator[None]:
+        with self._ready:
+            self._ready.wait_for(lambda: self._next == i)
+            try:
+                yield
+            finally:
+                self._next += 1
+                self._ready.notify_all()

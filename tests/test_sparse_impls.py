@@ -93,3 +93,54 @@ def test_run_steps_keeps_order_modes_and_single_threaded_steps():
         assert all(r[3] for r in run_steps(steps, cpu))
     assert all(r[2] for r in run_steps(steps, cpu))
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("pattern_name", ["local", "block_random"])  # blocked's band and gather backward
+def test_blocked_gradients_are_identical_run_to_run(pattern_name):
+    """Threads finishing in another order must not change the sums: the gradients repeat bit for bit."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("needs two torch threads for steps side by side")
+    pattern = make_pattern(pattern_name, 1024, window=96, density=0.3, block_size=32, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 1024, 32, generator=gen) for _ in range(3))
+    first = None
+    for _ in range(4):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        grads = torch.autograd.grad(attention("blocked", *leaves, pattern).square().sum(), leaves)
+        if first is None:
+            first = grads
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
+
+
+def test_in_order_admits_steps_in_index_order_and_passes_failed_turns_on():
+    import threading
+    import time
+
+    from impls.common import InOrder
+
+    in_order, seen = InOrder(), []
+
+    def step(i: int) -> None:
+        time.sleep(0.01 * (5 - i))  # later steps are ready first
+        if i == 2:
+            with in_order.turn(i):
+                raise ValueError("planted")
+        with in_order.turn(i):
+            seen.append(i)
+
+    errors = []
+
+    def run(i: int) -> None:
+        try:
+            step(i)
+        except ValueError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+    assert seen == [0, 1, 3, 4] and len(errors) == 1
