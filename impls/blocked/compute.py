@@ -74,37 +74,29 @@ class _Band:
     """A band plan's inputs laid out for its steps."""
 
     qb: Tensor  # (BH*nb, bs, D)
-    k_rows: Tensor  # (BH*nb*bs, D): all heads back to back, each padded to nb*bs rows (a view when N % bs == 0)
-    v_rows: Tensor
+    k_buffer: Tensor  # (rows, D): all heads back to back, zero padded; windows are views of it
+    v_buffer: Tensor
+    kw: Tensor  # (BH*nb, span, D) window views
+    vw: Tensor
     steps: list[tuple[int, int]]  # ranges [g0, g1) of windows
 
-    def windows(self, plan: BandPlan, g0: int, g1: int) -> tuple[Tensor, Tensor]:
-        """Key and value windows g0..g1, each (G, span, D)."""
-        return _windows(self.k_rows, plan, g0, g1), _windows(self.v_rows, plan, g0, g1)
 
+def _window_buffer(x: Tensor, plan: BandPlan) -> Tensor:
+    """(BH, N, D) -> one buffer holding all heads back to back (each padded to nb*bs rows), zero padded.
 
-def _windows(rows: Tensor, plan: BandPlan, g0: int, g1: int) -> Tensor:
-    """Windows g0..g1 (G, span, D) of `rows`: window g = h*nb + r (head h's keys r*bs - hi .. + span - 1)
-    starts at row g*bs - hi, so the windows of every head are one `unfold` view with a uniform stride.
-
-    A view of the input where the windows lie inside it; a zero-padded copy of just these rows at the two
-    ends. Reading the caller's K/V in place beats copying them into a padded buffer first: besides the copy,
-    steps ran 20% slower reading a freshly written buffer than a long-lived tensor (N=4096, W=256, H=8).
-    A window past its head's keys sees zeros or a neighbour head's keys; the plan masks those columns.
+    Window g = h*nb + r (head h's keys r*bs - hi .. + span - 1) starts at buffer row g*bs, so the windows
+    of every head are one `unfold` view with a uniform batch stride. A window past its head's keys sees
+    zeros or a neighbour head's keys; the plan masks those columns (j < 0, j >= N).
     """
-    bs, span = plan.block, plan.span
-    start, stop = g0 * bs - plan.pad_front, (g1 - 1) * bs - plan.pad_front + span
-    if start < 0 or stop > rows.shape[0]:
-        padded = rows.new_zeros(stop - start, rows.shape[1])
-        lo, hi = max(start, 0), min(stop, rows.shape[0])
-        padded[lo - start : hi - start] = rows[lo:hi]
-        rows, start, stop = padded, 0, stop - start
-    return rows[start:stop].unfold(0, span, bs).transpose(1, 2)
+    flat = _pad_rows(x, plan.n_blocks * plan.block).reshape(-1, x.shape[2])
+    return F.pad(flat, (0, 0, plan.pad_front, max(0, plan.span - plan.block - plan.pad_front)))
 
 
 def _band_layout(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor) -> _Band:
     bh, _, d = q.shape
-    nb, bs = plan.n_blocks, plan.block
+    bs, nb, span = plan.block, plan.n_blocks, plan.span
+    k_buffer, v_buffer = _window_buffer(k, plan), _window_buffer(v, plan)
+    kw, vw = (b.unfold(0, span, bs).transpose(1, 2)[: bh * nb] for b in (k_buffer, v_buffer))
     # Steps: whole heads when one fits in STEP_BYTES, else parts of one head; at least two per thread.
     per = min(plan.blocks_per_step, max(1, -(-bh * nb // (2 * torch.get_num_threads()))))
     if per >= nb:
@@ -112,8 +104,7 @@ def _band_layout(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor) -> _Band:
         steps = [(h * nb, min(bh, h + heads) * nb) for h in range(0, bh, heads)]
     else:
         steps = [(h * nb + r, h * nb + min(nb, r + per)) for h in range(bh) for r in range(0, nb, per)]
-    k_rows, v_rows = (_pad_rows(t, nb * bs).reshape(-1, d) for t in (k, v))
-    return _Band(_pad_rows(q, nb * bs).reshape(bh * nb, bs, d), k_rows, v_rows, steps)
+    return _Band(_pad_rows(q, nb * bs).reshape(bh * nb, bs, d), k_buffer, v_buffer, kw, vw, steps)
 
 
 def band_forward(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool) -> tuple[Tensor, list]:
@@ -123,15 +114,14 @@ def band_forward(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool) ->
     out = q.new_empty(lay.qb.shape)
 
     def step(g0: int, g1: int) -> Tensor | None:
-        kw, vw = lay.windows(plan, g0, g1)
-        scores = _scores(lay.qb[g0:g1], kw, plan.scale)  # (G, bs, span)
+        scores = _scores(lay.qb[g0:g1], lay.kw[g0:g1], plan.scale)  # (G, bs, span)
         if g1 - g0 >= nb:  # whole heads: the pieces broadcast over them
             _add_pieces(scores.view(-1, nb, bs, span), plan.pieces, 0, nb)
         else:
             r0 = g0 % nb
             _add_pieces(scores.view(1, g1 - g0, bs, span), plan.pieces, r0, r0 + g1 - g0)
         probs = _softmax_(scores)
-        torch.bmm(probs, vw, out=out[g0:g1])
+        torch.bmm(probs, lay.vw[g0:g1], out=out[g0:g1])
         return probs if keep else None
 
     return out, run_steps([lambda g=g: step(*g) for g in lay.steps], q.device)
@@ -145,16 +135,14 @@ def band_backward(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     lay = _band_layout(plan, q, k, v)
     d_ob = _pad_rows(d_out, nb * bs).reshape(bh * nb, bs, d)
     d_q = torch.empty_like(lay.qb)
-    # Key gradients land in a zero-padded buffer whose row g*bs + j is window g's key j (padding rows dropped).
-    padded_rows = plan.pad_front + bh * nb * bs + max(0, span - bs - plan.pad_front)
-    d_kb, d_vb = (q.new_zeros(padded_rows, d) for _ in range(2))
+    d_kb, d_vb = torch.zeros_like(lay.k_buffer), torch.zeros_like(lay.v_buffer)
     offsets = torch.arange(span, device=q.device)
     in_order = InOrder()
 
     def step(i: int, g0: int, g1: int) -> None:
         try:
-            dq, dk, dv = _grads_of_step(probs[i], d_ob[g0:g1], out[g0:g1], lay.qb[g0:g1],
-                                        *lay.windows(plan, g0, g1), plan.scale)
+            dq, dk, dv = _grads_of_step(probs[i], d_ob[g0:g1], out[g0:g1], lay.qb[g0:g1], lay.kw[g0:g1],
+                                        lay.vw[g0:g1], plan.scale)
         except BaseException:
             with in_order.turn(i):  # pass the turn on, then fail
                 raise
