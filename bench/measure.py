@@ -171,11 +171,11 @@ def _measure_task(task: Task, cache: CaseCache, phase: Phase) -> Record:
         t0 = time.perf_counter()
         fn = impl.prepare(case, pattern, q, k, v)
         if case.checkpoint:
-            fn = _checkpointed(fn)
+            fn = checkpointed(fn)
         current = "first call"
         phase(current)
         out = fn()
-        _sync(case.device)
+        sync_device(case.device)
         setup_s = time.perf_counter() - t0
         base["config"] = impl.record_extras() or None
         base["interpreter"] = bool((base["config"] or {}).get("interpreter", False))
@@ -222,12 +222,13 @@ def _measure_task(task: Task, cache: CaseCache, phase: Phase) -> Record:
                   error=error, flops_per_s=flops_per_s, env=device_state, peak=peak)
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so that a clock read after it is honest."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
-def _checkpointed(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+def checkpointed(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
     """Seed 004's gradient checkpointing: keep no activations, recompute attention in backward."""
     from torch.utils.checkpoint import checkpoint
 

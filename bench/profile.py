@@ -21,7 +21,7 @@ from rich.table import Table
 from bench import registry
 from bench.case import Case, resolve_device
 from bench.errors import BadInput, Unavailable
-from bench.measure import _checkpointed, _timed_step, make_inputs, upstream_grad
+from bench.measure import _timed_step, checkpointed, make_inputs, upstream_grad
 from bench.suite import load_suite
 
 WARMUP_CALLS = 2
@@ -95,7 +95,7 @@ def profile_command(suite_path: Path, impl_name: str, index: int, out: Path | No
     except Unavailable as exc:
         raise BadInput(f"cannot profile {impl_name}: {exc.reason}", field="--impl") from None
     if case.checkpoint:
-        fn = _checkpointed(fn)
+        fn = checkpointed(fn)
     step = _timed_step(fn, q, k, v, grad_out)
     for _ in range(WARMUP_CALLS):
         step()

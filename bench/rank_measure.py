@@ -31,7 +31,7 @@ from bench.case import Case
 from bench.comm import Communicator, bus_factor, use
 from bench.env import device_description
 from bench.errors import Unavailable
-from bench.measure import Task, describe_failure, make_inputs, upstream_grad
+from bench.measure import Task, checkpointed, describe_failure, make_inputs, sync_device, upstream_grad
 from bench.memory import measure_peak
 from bench.records import Record
 from bench.reference import compare, reference_attention, rows_to_check, tolerance_for
@@ -76,11 +76,11 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
             t0 = time.perf_counter()
             fn = impl.prepare(case, pattern, q, k, v)
             if case.checkpoint:
-                fn = _checkpointed(fn)
+                fn = checkpointed(fn)
             current = "first call"
             phase(current)
             result = fn()
-            _sync(ctx.device)
+            sync_device(ctx.device)
             out["setup_s"] = time.perf_counter() - t0
             out["config"] = impl.record_extras() or {}
             shards = [impl.shard(case, r) for r in range(ctx.world_size)]
@@ -98,7 +98,7 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
             phase(current)
             comm.reset()
             step()
-            _sync(ctx.device)
+            sync_device(ctx.device)
             counted = comm.snapshot()
 
             current = "timing"
@@ -142,17 +142,6 @@ def _is_comm_error(exc: BaseException) -> bool:
     """
     dist_error = getattr(torch.distributed, "DistError", None)
     return (dist_error is not None and isinstance(exc, dist_error)) or "/gloo/transport/" in str(exc)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _checkpointed(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
-    from torch.utils.checkpoint import checkpoint
-
-    return lambda: checkpoint(fn, use_reentrant=False)
 
 
 def _held_output(result: Any, shard: Shard, case: Case) -> Tensor:
