@@ -17,7 +17,7 @@ from bench import registry
 from bench.case import Case, resolve_device
 from bench.errors import Unavailable
 from bench.flops import useful_flops
-from bench.measure import CaseCache, _check, _checkpointed, _timed_step, make_inputs, upstream_grad
+from bench.measure import CaseCache, _check, _timed_step, checkpointed, make_inputs, upstream_grad
 
 
 def _synchronize(device: str) -> None:
@@ -50,7 +50,7 @@ def test_attention(benchmark: Any, pair: tuple[Case, str, Any], request: pytest.
     except Unavailable as exc:
         pytest.skip(exc.reason)
     if case.checkpoint:
-        fn = _checkpointed(fn)
+        fn = checkpointed(fn)
     error, problem = _check(case, impl, pattern, cache, q, k, v, fn(), grad_out, full=measure.check)
     assert problem is None, f"{impl_name} on {case.case_id}: {problem}"
 
