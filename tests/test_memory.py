@@ -170,11 +170,14 @@ def test_dense_peak_holds_the_score_matrix_and_grows_as_n_squared(dense_peaks):
 @pytest.mark.parametrize("impl", ["csr", "blocked"])
 def test_sparse_peaks_grow_as_nnz(sparse_peaks, impl):
     peaks = sparse_peaks[impl]
-    # nnz doubles with N at a fixed window: about 2 per doubling and 4 over the range if linear, 16 if
-    # quadratic. Single ratios move with allocation granularity (csr's sparse kernels allocate as they go).
+    # nnz doubles with N at a fixed window: about 2 per doubling and 4 over the range if linear, 4 and 16 if
+    # quadratic. The bounds sit between the two laws with room for the spread seen in repeated runs of the
+    # same code: csr's sparse kernels allocate as they go and the heap state the previous case leaves moves
+    # the resident-size figure (csr at N=8192: 28 to 45 MB), so single doublings ranged 1.26..3.15 and the
+    # whole range 2.8..5.7 (blocked 2.78..3.6).
     for small, big in itertools.pairwise(SPARSE_N):
-        assert 1.4 <= peaks[big] / peaks[small] <= 3.0, (impl, small, big, peaks)
-    assert 2.8 <= peaks[SPARSE_N[-1]] / peaks[SPARSE_N[0]] <= 6.0, (impl, peaks)
+        assert 1.15 <= peaks[big] / peaks[small] <= 3.5, (impl, small, big, peaks)
+    assert 2.2 <= peaks[SPARSE_N[-1]] / peaks[SPARSE_N[0]] <= 9.0, (impl, peaks)
     n = SPARSE_N[-1]
     assert peaks[n] * 10 < SPARSE_HEADS * n * n * 4, (impl, peaks)  # a tenth of dense's scores alone
 
