@@ -260,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     try:
+        from bench.plugins import load_plugin
         from bench.rank_measure import RankContext, measure_on_rank
         from bench.registry import names
-        from bench.suite import load_plugin
 
         for spec, base in json.loads(args.plugins):
             load_plugin(spec, base_dir=Path(base) if base else None, file="plugin", field=spec)

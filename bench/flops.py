@@ -1,6 +1,8 @@
 """FLOP counts: what the pattern makes necessary (useful) and what dense attention would do.
 
-Forward: Q K^T and P V each take 2 * D FLOPs per allowed (query, key) pair per head: 4 * B * H * nnz * D.
+Forward: Q K^T and P V each take 2 * D FLOPs per allowed (query, key) pair per head: 4 * B * H * nnz * D,
+nnz the allowed pairs of the q_len x seq_len matrix and H the query heads (grouped-query attention shares
+K and V between heads, not the products).
 Forward+backward: the backward recomputes nothing in this count and needs 2x the forward's matmuls
 (dV, dP, dQ, dK: four products against the forward's two), so 2.5x the forward in all, the factor
 FlashAttention's benchmarks use.
@@ -26,4 +28,4 @@ def useful_flops(case: Case, nnz: int) -> float:
 
 def dense_flops(case: Case) -> float:
     """FLOPs dense attention spends on the same shape."""
-    return attention_flops(case, case.seq_len * case.seq_len)
+    return attention_flops(case, case.n_queries * case.seq_len)

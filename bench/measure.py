@@ -75,13 +75,13 @@ class CaseCache:
 
 
 def make_inputs(case: Case, salt: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Seeded q, k, v (B, H, N, D): standard normal, drawn in float32 on the device, then cast."""
+    """Seeded q (B, H, q_len, D) and k, v (B, Hkv, N, D): standard normal, drawn in float32 on the device,
+    then cast."""
     device = torch.device(case.device)
     gen = torch.Generator(device=device).manual_seed(case.seed * 1_000_003 + salt)
-    shape = (case.batch, case.heads, case.seq_len, case.head_dim)
     return tuple(  # type: ignore[return-value]
         torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(case.torch_dtype)
-        for _ in range(3)
+        for shape in (case.q_shape(), case.kv_shape(), case.kv_shape())
     )
 
 
@@ -185,7 +185,7 @@ def _measure_task(task: Task, cache: CaseCache, phase: Phase) -> Record:
         reason, details = describe_failure(current, exc)
         return finish(status="failed", reason=reason, details=details)
 
-    expected_shape = (case.batch, case.heads, case.seq_len, case.head_dim)
+    expected_shape = case.q_shape()
     if not isinstance(out, Tensor) or tuple(out.shape) != expected_shape:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         return finish(status="failed", setup_s=setup_s,
@@ -254,7 +254,7 @@ def _check(case: Case, impl: registry.Impl, pattern: Pattern, cache: CaseCache, 
     With `check: false` in the suite only NaN/Inf are looked for.
     """
     tol = tolerance_for(case.dtype, impl.tf32(case))
-    rows = rows_to_check(case.batch, case.heads, case.seq_len, seed=case.seed)
+    rows = rows_to_check(case.batch, case.heads, case.seq_len, seed=case.seed, q_len=case.n_queries)
     if not full:
         nonfinite = int((~torch.isfinite(out.detach())).sum())
         error = {"max_abs": None, "rel_l2": None, "tolerance": tol, "rows_checked": 0, "nonfinite": nonfinite}
@@ -270,7 +270,7 @@ def _check(case: Case, impl: registry.Impl, pattern: Pattern, cache: CaseCache, 
 
     if grad_out is not None:
         # Upstream gradient only on the checked rows: the full problem's dq, dk, dv then equal the oracle's.
-        row_mask = torch.zeros(case.seq_len, dtype=torch.bool, device=out.device)
+        row_mask = torch.zeros(case.n_queries, dtype=torch.bool, device=out.device)
         row_mask[rows.to(out.device)] = True
         g = grad_out * row_mask[:, None].to(grad_out.dtype)
         got = torch.autograd.grad(out, (q, k, v), g, allow_unused=True)

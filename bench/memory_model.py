@@ -1,10 +1,10 @@
 """A memory model: skip a case that cannot fit before running it, with the reason and the modelled bytes.
 
-Modelled bytes = the inputs q, k, v (B, H, N, D), the output, in mode fwd_bwd the upstream gradient and
-dq, dk, dv, plus the implementation's own lower bound (`Impl.memory_bytes`, e.g. the (B, H, N, N) scores of
-dense attention). It is a lower bound, so a skipped case certainly would not have fit; a case the model lets
-through can still run out of memory, which bench.measure records as `failed` "out of memory" and the sweep
-goes on.
+Modelled bytes = the inputs q (B, H, q_len, D) and k, v (B, Hkv, N, D), the output, in mode fwd_bwd the
+upstream gradient and dq, dk, dv, plus the implementation's own lower bound (`Impl.memory_bytes`, e.g. the
+(B, H, q_len, N) scores of dense attention). It is a lower bound, so a skipped case certainly would not have
+fit; a case the model lets through can still run out of memory, which bench.measure records as `failed`
+"out of memory" and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -20,19 +20,24 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def tensor_bytes(case: Case) -> int:
-    """Bytes of one (B, H, N, D) tensor of the case's dtype."""
-    return case.batch * case.heads * case.seq_len * case.head_dim * ELEMENT_BYTES[case.dtype]
+    """Bytes of one (B, H, q_len, D) tensor of the case's dtype: q, the output, their gradients."""
+    return case.batch * case.heads * case.n_queries * case.head_dim * ELEMENT_BYTES[case.dtype]
+
+
+def kv_tensor_bytes(case: Case) -> int:
+    """Bytes of one (B, Hkv, N, D) tensor of the case's dtype: k or v (grouped-query attention: fewer heads)."""
+    return case.batch * case.n_kv_heads * case.seq_len * case.head_dim * ELEMENT_BYTES[case.dtype]
 
 
 def score_bytes(case: Case, element_bytes: int = 4) -> int:
-    """Bytes of one (B, H, N, N) score matrix (float32 by default: low precision accumulates in float32)."""
-    return case.batch * case.heads * case.seq_len * case.seq_len * element_bytes
+    """Bytes of one (B, H, q_len, N) score matrix (float32 by default: low precision accumulates in float32)."""
+    return case.batch * case.heads * case.n_queries * case.seq_len * element_bytes
 
 
 def io_bytes(case: Case) -> int:
     """Inputs and output of one call; in fwd_bwd also the upstream gradient and dq, dk, dv."""
-    count = 4 + (4 if case.mode == "fwd_bwd" else 0)
-    return count * tensor_bytes(case)
+    per_side = 2 * tensor_bytes(case) + 2 * kv_tensor_bytes(case)  # q, out, k, v (or dout, dq, dk, dv)
+    return per_side * (2 if case.mode == "fwd_bwd" else 1)
 
 
 @dataclass(frozen=True)

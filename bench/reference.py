@@ -31,30 +31,52 @@ def tolerance_for(dtype: str, tf32: bool = False) -> float:
 
 
 def rows_to_check(batch: int, heads: int, seq_len: int, seed: int = 0,
-                  limit: int = FULL_CHECK_LIMIT) -> Tensor:
-    """Sorted int64 query rows the oracle checks: all of them, or a seeded sample above `limit`."""
-    if batch * heads * seq_len * seq_len <= limit:
-        return torch.arange(seq_len)
+                  limit: int = FULL_CHECK_LIMIT, q_len: int | None = None) -> Tensor:
+    """Sorted int64 query rows the oracle checks: all q_len of them, or a seeded sample above `limit`."""
+    rows = seq_len if q_len is None else q_len
+    if batch * heads * rows * seq_len <= limit or rows <= 2:
+        return torch.arange(rows)
     count = max(64, limit // (batch * heads * seq_len))
     gen = torch.Generator().manual_seed(seed)
-    inner = torch.randperm(seq_len - 2, generator=gen)[: max(0, count - 2)] + 1
-    return torch.unique(torch.cat([torch.tensor([0, seq_len - 1]), inner]))
+    inner = torch.randperm(rows - 2, generator=gen)[: max(0, count - 2)] + 1
+    return torch.unique(torch.cat([torch.tensor([0, rows - 1]), inner]))
+
+
+def check_shapes(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
+    """ValueError naming what is wrong: q (B, H, q_len, D), k and v (B, Hkv, seq_len, D), H % Hkv == 0."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, Hkv, N, D), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    b, h, nq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and head_dim: q is "
+                         "(B, H, q_len, D), k and v (B, Hkv, seq_len, D)")
+    if k.shape[1] < 1 or h % k.shape[1]:
+        raise ValueError(f"q has {h} heads and k, v have {k.shape[1]}; grouped-query attention needs the query "
+                         "heads to be a multiple of the KV heads")
+    if k.shape[2] != pattern.seq_len:
+        raise ValueError(f"k and v have N={k.shape[2]} but the pattern was made for seq_len={pattern.seq_len}")
+    if nq != pattern.q_len:
+        raise ValueError(f"q has {nq} rows but the pattern was made for q_len={pattern.q_len} (seq_len "
+                         f"{pattern.seq_len}); q holds the last q_len positions")
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None) -> Tensor:
     """Attention in float64 for query `rows` (default: all): (B, H, len(rows), D).
 
-    q, k, v: (B, H, N, D) of any float dtype and device; the result is float64 on the same device.
-    A query row with no allowed key gives zeros. Differentiable with respect to q, k, v.
+    q (B, H, q_len, D), k and v (B, Hkv, seq_len, D) of any float dtype and device, query head h reading KV
+    head h // (H / Hkv); the result is float64 on the same device. A query row with no allowed key gives
+    zeros. Differentiable with respect to q, k, v (dk, dv summed over each KV head's query group).
     """
-    b, h, n, d = q.shape
-    if k.shape != (b, h, n, d) or v.shape != (b, h, n, d):
-        raise ValueError(f"q, k, v must share the shape (B, H, N, D); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if n != pattern.seq_len:
-        raise ValueError(f"inputs have N={n} but the pattern is for seq_len={pattern.seq_len}")
+    check_shapes(q, k, v, pattern)
+    b, h, nq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    group = h // hkv
     device = q.device
-    rows = torch.arange(n) if rows is None else rows.to(torch.int64).cpu()
+    rows = torch.arange(nq) if rows is None else rows.to(torch.int64).cpu()
     q64, k64, v64 = q.double(), k.double(), v.double()
     keys = torch.arange(n)
     scale = 1.0 / math.sqrt(d)
@@ -62,15 +84,19 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows:
     outs = []
     for start in range(0, len(rows), chunk):
         r = rows[start : start + chunk]
-        mask = pattern.allowed(r[:, None], keys[None, :]).to(device)  # (c, N)
-        scores = torch.matmul(q64[:, :, r.to(device)], k64.transpose(-1, -2)) * scale  # (B, H, c, N)
+        c = len(r)
+        mask = pattern.mask(r[:, None], keys[None, :]).to(device)  # (c, N)
+        # The query heads of one KV head share its keys: (B, Hkv, G*c, D) against (B, Hkv, N, D), no copy of K.
+        qg = q64[:, :, r.to(device)].reshape(b, hkv, group * c, d)
+        scores = (torch.matmul(qg, k64.transpose(-1, -2)) * scale).view(b, h, c, n)
         scores = scores.masked_fill(~mask, -math.inf)
         peak = scores.amax(dim=-1, keepdim=True).detach()
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         weights = torch.exp(scores - peak)  # exp(-inf) = 0: masked keys and empty rows get no weight
         denom = weights.sum(dim=-1, keepdim=True)
         weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
-        outs.append(torch.matmul(weights, v64))
+        out = torch.matmul(weights.reshape(b, hkv, group * c, n), v64).view(b, h, c, d)
+        outs.append(out)
     return torch.cat(outs, dim=2) if outs else q64.new_zeros(b, h, 0, d)
 
 

@@ -7,11 +7,8 @@ plugins, and the per-case constraints of each pattern (axial needs seq_len = R*C
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
+import difflib
 import itertools
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -31,7 +28,8 @@ from pydantic import (
 
 from bench.case import Case
 from bench.errors import BadInput
-from bench.patterns import PATTERNS, make_pattern
+from bench.patterns import PATTERNS, PatternError
+from bench.plugins import load_plugin
 
 NAME_RE = r"^[a-z0-9_-]+$"
 
@@ -55,6 +53,11 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     "checkpoint": StrictBool,
     "world_size": Annotated[StrictInt, Field(ge=1, le=1024)],
     "device": Literal["auto", "cpu", "cuda"],
+    "kv_heads": _Pos | None,
+    "q_len": Annotated[StrictInt, Field(ge=1, le=4_194_304)] | None,
+    "documents": _Pos | Annotated[list[_Pos], Field(min_length=1)] | None,
+    "prefix": Annotated[StrictInt, Field(ge=0)],
+    "image_width": _Pos | None,
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 
@@ -143,7 +146,9 @@ def _explain(err: dict[str, Any]) -> tuple[str, str]:
     if kind == "extra_forbidden":
         parent = next((p for p in reversed(loc[:-1]) if isinstance(p, str)), "")
         allowed = _KEYS_AT.get(parent, [])
-        return path, f"unknown key; allowed keys here: {', '.join(allowed)}"
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return path, f"unknown key; {hint}allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return path, "required field is missing"
     msg = err["msg"]
@@ -245,54 +250,31 @@ def _expand(model: SuiteModel, file: str) -> tuple[list[Case], list[dict[str, st
 
 
 def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
-    """Constraints between fields of one case: pattern name, and what the pattern needs of its fields."""
+    """Constraints between fields of one case: pattern name, shapes, and what the pattern needs of its fields."""
     where = lambda name: origin.get(name, name)  # noqa: E731 - unset fields are named as themselves
+
+    def bad(message: str, name: str) -> BadInput:
+        if name not in origin and name != "pattern":
+            message += f"; set defaults.{name} or sweep it"
+        return BadInput(message, file=file, field=where(name))
+
     if case.pattern not in PATTERNS:
         raise BadInput(f"got {case.pattern!r}; known patterns: {', '.join(sorted(PATTERNS))}",
                        file=file, field=where("pattern"))
     if case.checkpoint and case.mode != "fwd_bwd":
         raise BadInput(f"got checkpoint: true with mode {case.mode!r}; checkpointing recomputes attention in "
                        "backward, so it needs mode fwd_bwd", file=file, field=where("checkpoint"))
+    if case.kv_heads is not None and case.heads % case.kv_heads:
+        divisors = [d for d in range(1, case.heads + 1) if case.heads % d == 0]
+        raise bad(f"got {case.kv_heads} with heads {case.heads}; grouped-query attention needs heads % kv_heads "
+                  f"== 0: allowed kv_heads {divisors}", "kv_heads")
     try:
-        make_pattern(case.pattern, case.seq_len, **case.pattern_fields())
-    except ValueError as exc:
-        # "pattern axial: seq_len: got 97; ..." -> name the field where the offending value was written
-        _, field_name, message = [*str(exc).split(": ", 2), "", ""][:3]
+        pattern = case.make_pattern()
+        if PATTERNS[case.pattern].source != "built-in":
+            pattern.probe()  # a custom predicate that raises or returns no bool fails here, not mid-run
+    except PatternError as exc:
+        name = exc.field or "pattern"
+        message = exc.message
         if case.pattern not in message:
             message += f" (pattern {case.pattern})"
-        if field_name not in origin:
-            message += f"; set defaults.{field_name} or sweep it"
-        raise BadInput(message, file=file, field=where(field_name)) from None
-
-
-# --- plugins --------------------------------------------------------------------------------------------
-
-def load_plugin(spec: str, *, base_dir: Path | None, file: str, field: str) -> None:
-    """Import one plugin: a `.py` file relative to the suite file, or an importable module name."""
-    if spec.endswith(".py"):
-        base = base_dir if base_dir is not None else Path.cwd()
-        target = (base / spec).resolve()
-        if not target.is_file():
-            raise BadInput(f"got {spec!r}; no such file relative to {base}", file=file, field=field)
-        # One module per file, whatever the suite that names it, so a plugin is imported once per process.
-        module_name = "bench_plugin_" + hashlib.sha1(str(target).encode()).hexdigest()[:12]
-        if module_name in sys.modules:
-            return
-        loader_spec = importlib.util.spec_from_file_location(module_name, target)
-        if loader_spec is None or loader_spec.loader is None:
-            raise BadInput(f"got {spec!r}; not a loadable Python file", file=file, field=field)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise BadInput(f"plugin {spec!r} failed to import: {type(exc).__name__}: {exc}",
-                           file=file, field=field) from None
-        return
-    try:
-        importlib.import_module(spec)
-    except Exception as exc:
-        raise BadInput(f"got {spec!r}; cannot import module: {type(exc).__name__}: {exc}; allowed: an "
-                       "importable module name or a .py file relative to the suite file",
-                       file=file, field=field) from None
+        raise bad(message, name) from None

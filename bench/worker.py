@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.result_fd
     try:
         from bench.measure import CaseCache, Task, measure_task
+        from bench.plugins import load_plugin
         from bench.registry import names
-        from bench.suite import load_plugin
 
         for spec, base in json.loads(args.plugins):
             load_plugin(spec, base_dir=Path(base) if base else None, file="plugin", field=spec)

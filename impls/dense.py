@@ -1,4 +1,8 @@
-"""`dense`: materialise the (B, H, N, N) scores, mask them with the pattern, softmax, multiply by V."""
+"""`dense`: materialise the (B, H, q_len, N) scores, mask them with the pattern, softmax, multiply by V.
+
+Grouped-query attention without copying K or V: the query heads of one KV head are stacked as rows,
+(B, Hkv, G*q_len, D), and multiplied against that head's keys in one batched matmul.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +22,22 @@ class Dense(Impl):
         # scores in the input dtype while converting; backward keeps a second float32 buffer (scaled scores)
         low = ELEMENT_BYTES[case.dtype] < 4
         buffers = score_bytes(case) * (2 if case.mode == "fwd_bwd" else 1)
-        return case.seq_len**2 + buffers + (score_bytes(case, ELEMENT_BYTES[case.dtype]) if low else 0)
+        return case.n_queries * case.seq_len + buffers + (score_bytes(case, ELEMENT_BYTES[case.dtype]) if low else 0)
 
     def prepare(self, case, pattern, q, k, v):
-        mask = pattern.dense_mask().to(q.device)  # (N, N)
+        mask = pattern.dense_mask().to(q.device)  # (Nq, N)
         scale = softmax_scale(case.head_dim)
         acc = accum_dtype(q.dtype)
         needs_grad = any(t.requires_grad for t in (q, k, v))
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
 
         def call():
-            scores = (q @ k.transpose(-1, -2)).to(acc)  # (B, H, N, N)
+            grouped = q.reshape(b, hkv, h // hkv * nq, d)  # (B, Hkv, G*Nq, D)
+            scores = (grouped @ k.transpose(-1, -2)).to(acc).view(b, h, nq, n)  # (B, H, Nq, N)
             # inference: softmax in place, so only one score-sized buffer is alive
             probs = masked_softmax(scores * scale, mask) if needs_grad else masked_softmax_(scores.mul_(scale), mask)
-            return (probs.to(v.dtype) @ v).to(q.dtype)
+            out = probs.to(v.dtype).view(b, hkv, -1, n) @ v  # (B, Hkv, G*Nq, D)
+            return out.view(b, h, nq, d).to(q.dtype)
 
         return call

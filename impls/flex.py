@@ -17,7 +17,7 @@ so mode fwd_bwd is skipped on CPU with that reason; on CUDA it is differentiable
 
 from __future__ import annotations
 
-import copy
+import math
 from typing import Any
 
 import torch
@@ -50,49 +50,44 @@ def compiled_flex() -> Any:
 
 
 def tensor_fields(pattern, device: torch.device):
-    """A copy of `pattern` whose fields are 0-dim tensors (density float64, the rest int64).
-
-    Its `allowed` is the same predicate (the predicates are elementwise torch ops, so they take tensor
-    fields as they take ints), but under torch.compile the values become graph inputs.
-    """
-    clone = copy.copy(pattern)
-    clone._cache = {}
-    for field in pattern.fields:
-        attr = "p" if field == "density" else field
-        dtype = torch.float64 if attr == "p" else torch.int64
-        setattr(clone, attr, torch.tensor(getattr(pattern, attr), dtype=dtype, device=device))
-    return clone
+    """A copy of `pattern` whose fields are 0-dim tensors (see `Pattern.with_tensor_fields`)."""
+    return pattern.with_tensor_fields(device)
 
 
 def block_mask_for(pattern, block_size: int, device: torch.device):
-    """FlexAttention BlockMask of `pattern`: partial and full key blocks per query block, and mask_mod."""
+    """FlexAttention BlockMask of `pattern`: partial and full key blocks per query block, and mask_mod.
+
+    Over the pattern's q_len x seq_len matrix (its query rows are the last q_len positions, which the
+    mask_mod's q_idx counts from 0, as FlexAttention passes them); documents are part of the predicate.
+    """
     from torch.nn.attention.flex_attention import BlockMask
 
     sparse = pattern.block_sparse(block_size)
-    nb = sparse.num_blocks
+    nqb = sparse.num_blocks
+    nkb = math.ceil(pattern.seq_len / block_size)
     slot = torch.arange(sparse.kv_indices.shape[1])[None, :]
-    used = slot < sparse.kv_counts[:, None].to(torch.int64)  # (nb, max_kv)
+    used = slot < sparse.kv_counts[:, None].to(torch.int64)  # (nqb, max_kv)
 
     def compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counts (1, 1, nb), indices (1, 1, nb, nb)) of the kept key blocks, in increasing order."""
+        """(counts (1, 1, nqb), indices (1, 1, nqb, nkb)) of the kept key blocks, in increasing order."""
         counts = keep.sum(dim=1).to(torch.int32)
-        indices = torch.zeros(nb, nb, dtype=torch.int32)
+        indices = torch.zeros(nqb, nkb, dtype=torch.int32)
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept slots first, in order
         width = sparse.kv_indices.shape[1]
         if width:
             indices[:, :width] = torch.gather(sparse.kv_indices, 1, order).clamp(min=0)
-        return counts.view(1, 1, nb).to(device), indices.view(1, 1, nb, nb).to(device)
+        return counts.view(1, 1, nqb).to(device), indices.view(1, 1, nqb, nkb).to(device)
 
     partial_counts, partial_indices = compact(used & ~sparse.full)
     full_counts, full_indices = compact(used & sparse.full)
     params = tensor_fields(pattern, device)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return params.allowed(q_idx, kv_idx)
+        return params._matrix(q_idx, kv_idx)
 
-    n = pattern.seq_len
     return BlockMask.from_kv_blocks(partial_counts, partial_indices, full_counts, full_indices,
-                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(n, n))
+                                    BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(pattern.q_len, pattern.seq_len))
 
 
 @register
@@ -118,8 +113,9 @@ class Flex(Impl):
         block_mask = block_mask_for(pattern, case.block_size, q.device)
         flex = compiled_flex()
         scale = softmax_scale(case.head_dim)
+        gqa = k.shape[1] != q.shape[1]  # FlexAttention's native grouped-query attention: no K/V copies
         self._extras = {"block_size": case.block_size, "compiled": "torch.compile(dynamic=True)"}
-        return lambda: flex(q, k, v, block_mask=block_mask, scale=scale)
+        return lambda: flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
     def record_extras(self) -> dict[str, object]:
         return dict(self._extras)

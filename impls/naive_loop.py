@@ -4,7 +4,8 @@ The seed fills a zero (B, H, N, N) matrix with the scores inside each query's wi
 over the whole row, so positions outside the window get score 0 and real weight. Here the matrix starts at
 -inf, so they get none. The loop is kept on purpose: it is the baseline the seed measured against. Rows
 whose allowed keys form a contiguous range are sliced exactly as in the seed; other patterns index the
-row's keys from the pattern's CSR view.
+row's keys from the pattern's CSR view. Query rows are the pattern's q_len rows (the last positions); the
+query heads of one KV head read its keys through a broadcast, (B, Hkv, G, D) x (B, Hkv, K, D).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class NaiveLoop(Impl):
     def prepare(self, case, pattern, q, k, v):
         crow, col = pattern.csr()
         keys: list[slice | torch.Tensor] = []
-        for i in range(case.seq_len):
+        for i in range(pattern.q_len):
             row = col[crow[i] : crow[i + 1]]
             if len(row) and int(row[-1]) - int(row[0]) + 1 == len(row):
                 keys.append(slice(int(row[0]), int(row[-1]) + 1))  # the seed's start:end window
@@ -38,29 +39,31 @@ class NaiveLoop(Impl):
                 keys.append(row.to(q.device))
         scale = softmax_scale(case.head_dim)
         acc = accum_dtype(q.dtype)
-        b, h, n, _ = q.shape
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
 
         needs_grad = any(t.requires_grad for t in (q, k, v))
 
         def row_scores(i: int) -> torch.Tensor:  # (B, H, |keys of row i|)
-            ks = keys[i]
-            return (q[:, :, i : i + 1, :] @ k[:, :, ks, :].transpose(-2, -1))[:, :, 0].to(acc)
+            row = q[:, :, i, :].reshape(b, hkv, h // hkv, d)  # (B, Hkv, G, D): the heads of each KV head
+            return (row @ k[:, :, keys[i], :].transpose(-2, -1)).reshape(b, h, -1).to(acc)
 
         def call():
             if needs_grad:
                 # Autograd through n in-place writes into one (B, H, N, N) tensor copies its gradient n times
                 # (O(N^3)); under autograd build the rows apart and stack them.
                 rows = []
-                for i in range(n):
+                for i in range(nq):
                     row = torch.full((b, h, n), -math.inf, dtype=acc, device=q.device)
                     row[:, :, keys[i]] = row_scores(i)
                     rows.append(row)
                 attn = torch.stack(rows, dim=2)
             else:  # the seed's loop, with -inf instead of 0 outside the window
-                attn = torch.full((b, h, n, n), -math.inf, dtype=acc, device=q.device)
-                for i in range(n):
+                attn = torch.full((b, h, nq, n), -math.inf, dtype=acc, device=q.device)
+                for i in range(nq):
                     attn[:, :, i, keys[i]] = row_scores(i)
             attn = torch.softmax(attn * scale, dim=-1).nan_to_num(0.0)  # an empty row is all -inf: zeros
-            return (attn @ v.to(acc)).to(q.dtype)
+            out = attn.view(b, hkv, -1, n) @ v.to(acc)  # (B, Hkv, G*Nq, D)
+            return out.view(b, h, nq, d).to(q.dtype)
 
         return call

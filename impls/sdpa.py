@@ -1,4 +1,8 @@
-"""`sdpa`: torch.nn.functional.scaled_dot_product_attention with the pattern as a boolean mask."""
+"""`sdpa`: torch.nn.functional.scaled_dot_product_attention with the pattern as a boolean mask.
+
+Grouped-query attention through SDPA's own `enable_gqa` (no repeated K/V); fewer query rows than keys
+take the (q_len, N) mask as it is, so the bottom-right alignment is the pattern's.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +14,26 @@ from bench.registry import Impl, register
 @register
 class Sdpa(Impl):
     name = "sdpa"
-    description = "torch scaled_dot_product_attention with a boolean (N, N) mask"
+    description = "torch scaled_dot_product_attention with a boolean (q_len, N) mask; enable_gqa for GQA"
     fwd_bwd = True
 
     def memory_bytes(self, case):
-        return case.seq_len**2  # the (N, N) bool mask; the kernel PyTorch picks may need more, never less
+        return case.n_queries * case.seq_len  # the bool mask; the kernel PyTorch picks may need more, never less
 
     def prepare(self, case, pattern, q, k, v):
-        mask = pattern.dense_mask().to(q.device)  # (N, N), True = attend
+        mask = pattern.dense_mask().to(q.device)  # (Nq, N), True = attend
+        gqa = k.shape[1] != q.shape[1]
         empty_rows = ~mask.any(dim=-1)  # SDPA leaves fully masked rows undefined; the contract says zeros
         if bool(empty_rows.any()):
-            keep = (~empty_rows)[:, None].to(q.dtype)  # (N, 1)
+            keep = (~empty_rows)[:, None].to(q.dtype)  # (Nq, 1)
 
             def call_with_empty_rows():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).nan_to_num(0.0) * keep
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                return out.nan_to_num(0.0) * keep
 
             return call_with_empty_rows
 
         def call():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
         return call

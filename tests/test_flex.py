@@ -8,17 +8,16 @@ import math
 import pytest
 import torch
 
-from bench.patterns import PATTERNS, make_pattern
 from impls.flex import block_mask_for, tensor_fields
+from tests.pattern_zoo import BUILTIN, zoo_pattern
 
 
 def _pattern(name: str, n: int = 150, block_size: int = 16):
     window = 15 if name == "axial" else 24  # axial: N = R*C, 150 = 10 x 15
-    return make_pattern(name, n, window=window, density=0.3, block_size=block_size, dilation=3,
-                        global_tokens=5, seed=7)
+    return zoo_pattern(name, n, window=window, block_size=block_size, global_tokens=5, seed=7)
 
 
-@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("name", BUILTIN)
 def test_tensor_fields_give_the_same_predicate(name):
     pattern = _pattern(name)
     params = tensor_fields(pattern, torch.device("cpu"))
@@ -29,7 +28,7 @@ def test_tensor_fields_give_the_same_predicate(name):
     assert torch.equal(params.allowed(i, j), pattern.dense_mask())
 
 
-@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("name", BUILTIN)
 def test_block_mask_holds_the_pattern_blocks(name):
     pattern = _pattern(name)
     bs = pattern.block_size

@@ -9,9 +9,9 @@ from bench.case import Case
 from bench.cli import main
 from bench.hardware import resolve
 from bench.model import BOUNDS, block_pairs, bound, min_bytes, model_records
-from bench.patterns import PATTERNS
 from bench.store import load_run
 from tests.conftest import only_run_dir, run_bench, write_suite
+from tests.pattern_zoo import BUILTIN, valid_fields
 
 FIELDS = {"window": 16, "density": 0.3, "block_size": 16, "dilation": 2, "global_tokens": 3}
 
@@ -27,10 +27,10 @@ def test_block_pairs_count_short_edge_blocks():
     assert block_pairs(torch.eye(4, dtype=torch.bool), 100, 32) == 3 * 32 * 32 + 4 * 4
 
 
-@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("name", BUILTIN)
 def test_block_pairs_equal_the_expanded_layout_and_bounds_are_ordered(name):
     n, bs = 96, 16  # 96 = 6 rows of 16 for axial
-    case = Case(seq_len=n, pattern=name, **FIELDS)
+    case = Case(seq_len=n, pattern=name, **valid_fields(name, n, **FIELDS))
     pattern = case.make_pattern()
     layout = pattern.block_layout(bs)
     expanded = layout.repeat_interleave(bs, 0).repeat_interleave(bs, 1)[:n, :n]

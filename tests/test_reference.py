@@ -7,7 +7,7 @@ import math
 import torch
 
 from bench import reference
-from bench.patterns import make_pattern
+from bench.patterns import Pattern, make_pattern
 from bench.reference import compare, reference_attention, rows_to_check, tolerance_for
 
 
@@ -41,14 +41,14 @@ def test_rows_subset_matches_full_rows():
 
 
 def test_empty_rows_give_zeros_and_finite_gradients():
-    class NoKeys:  # a pattern whose odd rows attend to nothing
-        seq_len = 6
+    class NoKeys(Pattern):  # a pattern whose odd rows attend to nothing
+        name = "no_keys"
 
         def allowed(self, i, j):
             return (i % 2 == 0) & (j <= i)
 
     q, k, v = (torch.randn(1, 1, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = reference_attention(q, k, v, NoKeys())
+    out = reference_attention(q, k, v, NoKeys(6))
     assert torch.all(out[:, :, 1::2] == 0)
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
