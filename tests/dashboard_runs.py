@@ -8,7 +8,11 @@ Times follow known laws so that tests can check the figures' data exactly:
 - naive_loop: out of memory at the largest seq_len, flex: skipped with a reason;
 - cp_ring / tp_heads: world sizes 2 and 4 with communication bytes; one cp_ring record off its closed form;
 - a modelled run of an H100 with peak fractions;
-- three commits of the smoke-like suite where dense gets 2x slower at the third.
+- three commits of the smoke-like suite where dense gets 2x slower at the third;
+- a `workloads` suite (`workload_records`): causal prefill as MHA H8 (some records written before the new case
+  fields existed, one with kv_heads and q_len written out as their defaults), GQA H32/8 and MQA H8/1; decode
+  (q_len 1) over a growing KV cache as GQA H32/8; and, in bfloat16, a documents sweep at one length (1 to 64
+  documents, 64 given as a list of lengths) where flex's time and memory fall as 1/documents.
 Samples are the median times (1 + small symmetric offsets), so every median is exactly the law's value.
 """
 
@@ -107,6 +111,58 @@ def history_records(step: bool) -> list[Record]:
     return out
 
 
+WORKLOAD_N = (1024, 2048, 4096)
+DECODE_N = (1024, 4096, 16384)
+DOCUMENTS = (1, 4, 16, 64)
+DOCS_N = 8192
+T_DOCS_DENSE = 64e-3  # dense at DOCS_N, whatever the documents
+
+
+def new_fields(**given: Any) -> dict[str, Any]:
+    """The case fields added with the workloads, at their defaults unless given (as bench.case writes them)."""
+    return {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0, "image_width": None, **given}
+
+
+def workload_case_id(p: dict[str, Any]) -> str:
+    q = f"q{p['q_len']}" if p.get("q_len") not in (None, p["seq_len"]) else ""
+    kv = f"kv{p['kv_heads']}" if p.get("kv_heads") not in (None, p["heads"]) else ""
+    docs = p.get("documents")
+    doc = "" if docs is None else f"_docs{len(docs) if isinstance(docs, list) else docs}"
+    return f"{p['pattern']}{doc}-n{p['seq_len']}{q}-b1h{p['heads']}{kv}d64-{p['dtype']}-{p['mode']}"
+
+
+def workload_rec(impl: str, p: dict[str, Any], median: float | None, **fields: Any) -> Record:
+    body = {"params": p, "device": CPU, "density": 0.5, **fields}
+    return record(workload_case_id(p), impl, samples(median) if median is not None else None, **body)
+
+
+def workload_records() -> list[Record]:
+    out = []
+    for n in WORKLOAD_N:
+        t = 1e-3 * (n / 1024) ** 2
+        for heads, kv_heads in ((8, None), (32, 8), (8, 1)):
+            if kv_heads is None and n < 4096:  # MHA records of a run made before the new fields existed
+                p = params("causal", n, heads=heads, head_dim=64)
+            elif kv_heads is None:  # written out as heads and seq_len: still the defaults
+                p = params("causal", n, heads=heads, head_dim=64, **new_fields(kv_heads=8, q_len=n))
+            else:
+                p = params("causal", n, heads=heads, head_dim=64, **new_fields(kv_heads=kv_heads))
+            out += [workload_rec("dense", p, t * heads / 8), workload_rec("sdpa", p, t * heads / 16)]
+    for n in DECODE_N:  # one query over a KV cache of n keys
+        p = params("causal", n, heads=32, head_dim=64, **new_fields(kv_heads=8, q_len=1))
+        out += [workload_rec("dense", p, 1e-5 * n / 1024), workload_rec("sdpa", p, 0.5e-5 * n / 1024)]
+    for docs in DOCUMENTS:
+        given: int | list[int] = [DOCS_N // docs] * docs if docs == 64 else docs
+        p = params("causal", DOCS_N, heads=8, head_dim=64, dtype="bfloat16", **new_fields(documents=given))
+        out += [workload_rec("dense", p, T_DOCS_DENSE, memory={"peak_bytes": 2**30, "method": "rss_hwm"}),
+                workload_rec("flex", p, T_DOCS_DENSE / docs, memory={"peak_bytes": 2**24 // docs, "method": "rss_hwm"})]
+        if docs == 64:
+            out.append(workload_rec("sdpa", p, None, status="skipped", reason="sdpa: 64 documents need a dense mask"))
+        else:
+            out.append(workload_rec("sdpa", p, T_DOCS_DENSE / 2))
+    return out
+
+
 def write_store(root: Path) -> dict[str, Path]:
     """Every synthetic run under `root`; returns them by name."""
     runs = {
@@ -116,6 +172,8 @@ def write_store(root: Path) -> dict[str, Path]:
                           started_at="2026-01-04T01:00:00.000000Z"),
         "model": write_run(root, commit=commit_id(3), suite="h100", records=model_records(), source="modelled",
                            started_at="2026-01-04T02:00:00.000000Z"),
+        "workloads": write_run(root, commit=commit_id(3), suite="workloads", records=workload_records(),
+                               started_at="2026-01-04T04:00:00.000000Z"),
     }
     for i in range(4):
         runs[f"history{i}"] = write_run(root, commit=commit_id(i), suite="nightly", records=history_records(i >= 2),

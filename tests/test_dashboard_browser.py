@@ -132,12 +132,13 @@ EXPECTED_VIEWS = {"suite-sweep.html": {"time", "speedup", "memory", "breakeven",
                   "suite-multi.html": {"time", "comm", "correctness"},
                   "suite-h100.html": {"time", "speedup", "peak", "correctness"},
                   "suite-nightly.html": {"time", "speedup", "correctness", "history"},
-                  "suite-real.html": {"time", "speedup", "correctness"}}
+                  "suite-real.html": {"time", "speedup", "correctness"},
+                  "suite-workloads.html": {"time", "speedup", "memory", "correctness"}}
 
 
 def test_every_page_loads_offline_and_draws_every_figure(context: BrowserContext, dashboard: Path) -> None:
     pages = sorted(dashboard.glob("*.html"))
-    assert len(pages) == 7  # index + sweep, multi, h100, nightly, hostile, real
+    assert len(pages) == 8  # index + sweep, multi, h100, nightly, workloads, hostile, real
     total = 0
     for path in pages:
         page, log = open_page(context, path)
@@ -198,6 +199,41 @@ def test_filters_show_only_matching_sections(context: BrowserContext, dashboard:
     visible = page.locator("section.facet:not([hidden])")
     assert visible.count() == 1 and visible.first.get_attribute("data-pattern") == "block_random"
     assert page.locator("select[data-filter=mode]").input_value() == ""
+    page.close()
+
+
+def visible_workloads(page: Page) -> list[str]:
+    return page.eval_on_selector_all("section.facet:not([hidden])", "els => els.map(e => e.dataset.workload)")
+
+
+def test_workload_filter_shows_only_its_sections(context: BrowserContext, dashboard: Path) -> None:
+    page, log = open_page(context, dashboard / "suite-workloads.html")
+    assert page.locator("section.facet").count() == 5
+    options = page.locator("select[data-filter=workload] option").all_inner_texts()
+    assert options == ["all (4)", "MHA H8", "GQA H32/8", "MQA H8/1", "GQA H32/8 · q_len 1"]
+    page.select_option("select[data-filter=workload]", "GQA H32/8")  # exactly: not the decode section
+    assert visible_workloads(page) == ["GQA H32/8"]
+    assert page.locator("#shown-count").inner_text() == "1 of 5 sections shown"
+    assert "GQA H32/8" in page.locator("section.facet:not([hidden]) h2").inner_text()
+    assert draw_all(page) >= 3 and undrawn_figures(page) == []
+    assert page.evaluate("() => decodeURIComponent(window.location.hash)") == "#workload=GQA+H32/8"
+    page.select_option("select[data-filter=workload]", "MHA H8")  # prefill in float32, documents in bfloat16
+    assert visible_workloads(page) == ["MHA H8", "MHA H8"]
+    page.select_option("select[data-filter=dtype]", "bfloat16")
+    (documents,) = page.locator("section.facet:not([hidden])").all()
+    assert documents.get_attribute("data-dtype") == "bfloat16"
+    assert draw_all(page) >= 3 and undrawn_figures(page) == []
+    time_axis = documents.locator("figure.view-time .xtitle").text_content()
+    assert time_axis == "packed documents (count)"  # time against the number of documents, not one point
+    assert documents.locator("figure.view-time .legendtext").all_text_contents() == ["dense", "flex", "sdpa"]
+    assert log.errors == [] and log.remote == []
+    page.close()
+    # a link to the decode workload (its value has spaces, '/' and '·') opens filtered
+    page = context.new_page()
+    page.goto((dashboard / "suite-workloads.html").as_uri() + "#workload=GQA+H32%2F8+%C2%B7+q_len+1",
+              wait_until="load")
+    assert visible_workloads(page) == ["GQA H32/8 · q_len 1"]
+    assert page.locator("select[data-filter=workload]").input_value() == "GQA H32/8 · q_len 1"
     page.close()
 
 

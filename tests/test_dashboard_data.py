@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
 
 from bench.cli import main
-from bench.dashboard.data import Row, current_rows, facets, rows_from_runs, varying_keys
+from bench.dashboard.data import (
+    Row,
+    current_rows,
+    facets,
+    format_documents,
+    params_label,
+    rows_from_runs,
+    varying_keys,
+    workload,
+    x_key,
+)
 from bench.dashboard.escaping import plot_text, round_floats, script_json
 from bench.dashboard.figures import Colours, provenance
 from bench.dashboard.render import build_dashboard
@@ -38,8 +49,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, **{name: load_run(path) for name, path in paths.items()}}
 
 
-def facet_rows(run, pattern: str, dtype: str = "float32", mode: str = "fwd", device: str = store.CPU) -> list[Row]:
-    return facets(current_rows(rows_from_runs([run])))[(pattern, dtype, mode, device)]
+def facet_rows(run, pattern: str, dtype: str = "float32", mode: str = "fwd", device: str = store.CPU,
+               workload: str | None = None) -> list[Row]:
+    """The rows of one facet; `workload` may be left out where the run has one workload for these keys."""
+    found = [members for key, members in facets(current_rows(rows_from_runs([run]))).items()
+             if key[:4] == (pattern, dtype, mode, device) and workload in (None, key[4])]
+    assert len(found) == 1, f"{len(found)} facets match"
+    return found[0]
 
 
 def by(items, **want):
@@ -76,11 +92,189 @@ def test_current_rows_keep_the_latest_run(tmp_path: Path) -> None:
 
 def test_facets_and_varying_keys(runs) -> None:
     groups = facets(current_rows(rows_from_runs([runs["sweep"]])))
-    assert set(groups) == {("local", "float32", "fwd", store.CPU), ("block_random", "float32", "fwd", store.CPU),
-                           ("local", "float16", "fwd", store.CPU)}
-    local = groups[("local", "float32", "fwd", store.CPU)]
+    assert set(groups) == {("local", "float32", "fwd", store.CPU, "MHA H2"),
+                           ("block_random", "float32", "fwd", store.CPU, "MHA H2"),
+                           ("local", "float16", "fwd", store.CPU, "MHA H2")}
+    local = groups[("local", "float32", "fwd", store.CPU, "MHA H2")]
     assert varying_keys(local) == ["seq_len", "window"]
     assert varying_keys(local, exclude=["seq_len"]) == ["window"]
+
+
+# --- workloads: GQA, decode, packed documents ---------------------------------------------------------------
+
+DOCS = ("causal", "bfloat16", "fwd", store.CPU, "MHA H8")  # the documents sweep: one length, 1 to 64 documents
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"heads": 8}, "MHA H8"),  # a record from before kv_heads and q_len existed
+    ({"heads": 8, "kv_heads": None, "q_len": None, "seq_len": 4096}, "MHA H8"),
+    ({"heads": 8, "kv_heads": 8, "q_len": 4096, "seq_len": 4096}, "MHA H8"),  # the defaults written out
+    ({"heads": 32, "kv_heads": 8, "seq_len": 4096}, "GQA H32/8"),
+    ({"heads": 8, "kv_heads": 1}, "MQA H8/1"),
+    ({"heads": 32, "kv_heads": 8, "q_len": 16, "seq_len": 4096}, "GQA H32/8 · q_len 16"),
+    ({"heads": 8, "q_len": 1, "seq_len": 4096}, "MHA H8 · q_len 1"),
+    ({"heads": 4, "kv_heads": 3}, "GQA H4/3"),
+    ({}, "H?"),
+    ({"heads": "many", "kv_heads": 9}, "Hmany"),
+    ({"heads": 4, "kv_heads": 8}, "H4/8"),  # not a grouping: shown as given
+])
+def test_workload_names_shape_and_query_rows(given: dict, expected: str) -> None:
+    assert workload(given) == expected
+
+
+def test_facets_split_by_workload(runs) -> None:
+    groups = facets(current_rows(rows_from_runs([runs["workloads"]])))
+    prefill = ("causal", "float32", "fwd", store.CPU)
+    assert list(groups) == [(*prefill, "MHA H8"), (*prefill, "GQA H32/8"), (*prefill, "MQA H8/1"),
+                            (*prefill, "GQA H32/8 · q_len 1"), DOCS]
+    # records without the new fields and records with them written out as their defaults share a facet and a series
+    mha = groups[(*prefill, "MHA H8")]
+    assert {"kv_heads" in r.params for r in mha} == {True, False}
+    assert varying_keys(mha) == ["seq_len"]
+    assert {s.key.name(): s.x for s in time_series(mha)} == {"dense": list(store.WORKLOAD_N),
+                                                             "sdpa": list(store.WORKLOAD_N)}
+    decode = {s.key.name(): s for s in time_series(groups[(*prefill, "GQA H32/8 · q_len 1")])}
+    assert decode["dense"].x == list(store.DECODE_N)
+    assert decode["dense"].median_s == pytest.approx([1e-5 * n / 1024 for n in store.DECODE_N])
+    gqa = {s.key.name(): s for s in time_series(groups[(*prefill, "GQA H32/8")])}
+    assert gqa["dense"].median_s == pytest.approx([4e-3 * (n / 1024) ** 2 for n in store.WORKLOAD_N])
+
+
+def test_sections_and_filters_name_the_workload(runs) -> None:
+    rows = rows_from_runs([runs["workloads"]])
+    page = build_suite_page("workloads", [runs["workloads"]], rows, [], [], Colours([]))
+    values = page.filter_values()
+    assert list(values) == ["pattern", "dtype", "mode", "device", "workload"]
+    assert values["workload"] == ["MHA H8", "GQA H32/8", "MQA H8/1", "GQA H32/8 · q_len 1"]
+    assert values["dtype"] == ["float32", "bfloat16"]
+    decode = page.sections[3]
+    assert decode.title == f"causal · float32 · fwd · {store.CPU} · GQA H32/8 · q_len 1"
+    assert decode.facet_values()["workload"] == "GQA H32/8 · q_len 1" and decode.key == decode.rows[0].facet()
+    # a record from before the workload fields (an old run) still renders, as MHA
+    old = load_run(write_run(runs["root"].parent / "old-run", commit=commit_id(5), records=[
+        record("c1", "dense", store.samples(1e-3), params={k: v for k, v in params().items() if k != "kv_heads"})]))
+    (section,) = build_suite_page("old", [old], rows_from_runs([old]), [], [], Colours([])).sections
+    assert section.workload == "MHA H2" and section.figures
+
+
+def test_series_labels_use_the_short_names_of_the_new_fields(runs) -> None:
+    gqa_decode = [r for r in rows_from_runs([runs["workloads"]]) if r.params.get("kv_heads") == 8
+                  and r.params["heads"] == 32 and r.params["seq_len"] == 4096 and r.impl == "dense"]
+    labels = {params_label(r, ["heads", "kv_heads", "q_len"]) for r in gqa_decode}
+    assert labels == {"H=32, Hkv=8, q=None", "H=32, Hkv=8, q=1"}  # q_len = seq_len is the default, None
+    mha = next(r for r in gqa_decode if r.params.get("q_len") is None)
+    mha = replace(mha, params={**mha.params, "heads": 8, "kv_heads": 8, "prefix": 32, "image_width": 64})
+    assert params_label(mha, ["kv_heads", "prefix", "image_width"]) == "Hkv=None, pre=32, iw=64"
+    # packed documents as a list: grouping works (lists are not hashable) and the label stays short
+    docs = facets(current_rows(rows_from_runs([runs["workloads"]])))[DOCS]
+    by_seq_len = time_series(docs, x="seq_len")  # seq_len forced on x: each documents value is its own series
+    assert {s.key.name() for s in by_seq_len if s.key.impl == "flex"} == {
+        "flex (docs=1)", "flex (docs=4)", "flex (docs=16)", "flex (docs=64x128)"}
+    assert [label for _, label in correctness_matrix(docs).cases] == ["docs=1", "docs=4", "docs=16", "docs=64x128"]
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, "None"), (8, "8"), ([2048] * 4, "4x2048"), ([512, 1536], "512+1536"), ([1, 2, 3, 4], "1+2+3+4"),
+    (["a", 1], "['a', 1]"),
+])
+def test_documents_print_compactly(value, expected: str) -> None:
+    assert format_documents(value) == expected
+
+
+def test_long_document_lists_print_their_count_and_stay_apart() -> None:
+    one, other = [100, 200, 300, 400, 24], [200, 100, 300, 400, 24]
+    assert format_documents(one).startswith("5 of 24..400 #") and len(format_documents(one)) < 24
+    assert format_documents(one) != format_documents(other)
+
+
+def test_documents_sweep_draws_time_and_memory_against_the_number_of_documents(runs) -> None:
+    rows = facets(current_rows(rows_from_runs([runs["workloads"]])))[DOCS]
+    assert {r.params["seq_len"] for r in rows} == {store.DOCS_N}
+    assert x_key(rows) == "documents"
+    series = {s.key.name(): s for s in time_series(rows)}
+    assert set(series) == {"dense", "flex", "sdpa"}  # one line per implementation, not one point per case
+    assert series["flex"].x == list(store.DOCUMENTS)  # 64 was given as a list of lengths: counted
+    assert series["flex"].median_s == pytest.approx([store.T_DOCS_DENSE / d for d in store.DOCUMENTS])
+    assert series["sdpa"].x == [1, 4, 16]  # skipped at 64
+    fig = time_figure(rows, Colours([]))
+    go.Figure(fig.plotly)
+    xaxis = fig.plotly["layout"]["xaxis"]
+    assert xaxis["title"]["text"] == "packed documents (count)" and xaxis["type"] == "log"
+    assert fig.title.startswith("Time per call against number of documents (log-log")
+    flex = next(t for t in fig.plotly["data"] if t["name"] == "flex")
+    assert flex["x"] == list(store.DOCUMENTS)
+    memory = memory_data(rows)
+    assert memory.x_key == "documents"
+    flex_memory = next(s for s in memory.series if s.key.impl == "flex")
+    assert flex_memory.x == list(store.DOCUMENTS) and flex_memory.peak_bytes == [2**24 // d for d in store.DOCUMENTS]
+    assert [(m.kind, m.row.impl, m.x) for m in memory.marks] == [("skipped", "sdpa", 64)]
+    fig = memory_figure(rows, Colours([]))
+    go.Figure(fig.plotly)
+    assert fig.plotly["layout"]["xaxis"]["title"]["text"] == "packed documents (count)"
+    assert fig.title.startswith("Peak memory against number of documents")
+    # the speedup heatmap's second axis is the number of documents too: one panel per implementation
+    speedup = speedup_data(rows)
+    assert speedup.y_key == "documents" and {p.key.name() for p in speedup.panels} == {"flex", "sdpa"}
+    flex_cells = next(p for p in speedup.panels if p.key.impl == "flex").cells
+    assert {c.y: c.speedup for c in flex_cells} == pytest.approx({d: float(d) for d in store.DOCUMENTS})
+    go.Figure(speedup_figure(rows).plotly)
+
+
+def test_x_axis_is_seq_len_whenever_it_varies(runs) -> None:
+    docs = facets(current_rows(rows_from_runs([runs["workloads"]])))[DOCS]
+    longer = [replace(r, params={**r.params, "seq_len": 2 * store.DOCS_N}, case_id=r.case_id + "-2n") for r in docs]
+    assert x_key(docs + longer) == "seq_len"
+    assert {s.key.name() for s in time_series(docs + longer) if s.key.impl == "flex"} == {
+        "flex (docs=1)", "flex (docs=4)", "flex (docs=16)", "flex (docs=64x128)"}
+    # one length and a window sweep (16, 32): time against the window, on a linear axis (a factor 2)
+    local = [r for r in facet_rows(runs["sweep"], "local") if r.params["seq_len"] == 256]
+    assert x_key(local) == "window"
+    dense = next(s for s in time_series(local) if s.key.name() == "dense")
+    assert dense.x == list(store.WINDOWS)
+    fig = time_figure(local, Colours([]))
+    assert fig.plotly["layout"]["xaxis"]["type"] == "linear"
+    assert fig.title.startswith("Time per call against window (log y")
+    assert memory_data(local).x_key == "window"
+    # nothing varies: seq_len, one category
+    single = [r for r in local if r.params["window"] == 16]
+    assert x_key(single) == "seq_len"
+    assert time_figure(single, Colours([])).plotly["layout"]["xaxis"]["type"] == "category"
+
+
+@pytest.mark.parametrize(("field", "values", "axis_type"), [
+    ("q_len", [1, 16, 256], "log"), ("prefix", [0, 64, 128], "linear"), ("image_width", [16, 32, 64, 128], "log"),
+    ("kv_heads", [None, 2, 1], "log"),  # None is heads (4): 1, 2, 4 spans a factor of 4
+])
+def test_x_axis_for_each_count_that_varies(field: str, values: list, axis_type: str, tmp_path: Path) -> None:
+    records = [record(f"c{i}", "dense", store.samples(1e-3 * (i + 1)), params=params("causal", 256, heads=4,
+                                                                                      **{field: v}))
+               for i, v in enumerate(values)]
+    rows = rows_from_runs([load_run(write_run(tmp_path, commit=commit_id(1), records=records))])
+    assert x_key(rows) == field
+    (series,) = time_series(rows)
+    expected = [4 if v is None else v for v in values]
+    assert series.x == sorted(expected)
+    fig = time_figure(rows, Colours([]))
+    go.Figure(fig.plotly)
+    assert fig.plotly["layout"]["xaxis"]["type"] == axis_type
+
+
+def test_history_is_drawn_in_the_section_of_its_workload(tmp_path: Path) -> None:
+    runs = []
+    for i in range(2):
+        records = [record(f"{name}-n{n}", "dense", store.samples(1e-3 * n / 128 * (1 + i)),
+                          params=params("causal", n, heads=8, kv_heads=kv))
+                   for name, kv in (("mha", None), ("gqa", 2)) for n in (128, 256)]
+        runs.append(load_run(write_run(tmp_path, commit=commit_id(i), records=records, suite="hist",
+                                       started_at=f"2026-01-0{i + 1}T00:00:00.000000Z")))
+    rows = rows_from_runs(runs)
+    history, commits = history_series(runs, rows, "hist")
+    page = build_suite_page("hist", runs, rows, history, commits, Colours([]))
+    assert [s.workload for s in page.sections] == ["MHA H8", "GQA H8/2"]
+    for section, name in zip(page.sections, ("mha", "gqa"), strict=True):
+        (fig,) = [f for f in section.figures if f.view == "history"]
+        cases = {t["hovertext"][0].split("<br>")[1] for t in fig.plotly["data"] if t["mode"] == "lines+markers"}
+        assert cases == {f"{name}-n128", f"{name}-n256"}
 
 
 # --- time and speedup ----------------------------------------------------------------------------------------
@@ -173,7 +367,7 @@ def test_peak_fraction_of_a_model_is_labelled_model(runs) -> None:
     fig = peak_figure(rows, Colours([]))
     go.Figure(fig.plotly)
     dense = next(t for t in fig.plotly["data"] if t["name"] == "dense [model]")
-    assert dense["y"] == pytest.approx([40.0] * 3)
+    assert dense["y"] == pytest.approx([40.0] * 3) and dense["x"] == list(store.T_DENSE)
     assert fig.plotly["layout"]["title"]["text"].startswith("MODEL - ")
     assert fig.provenance.startswith("MODEL (not measured)") and store.H100 in fig.provenance
     assert all(t["line"]["dash"] == "dash" for t in fig.plotly["data"])
@@ -363,7 +557,7 @@ def test_build_dashboard_writes_pages_assets_and_small_data(runs, tmp_path: Path
     result = build_dashboard(index.runs, out)
     names = sorted(p.name for p in out.iterdir())
     assert names == ["assets", "index.html", "suite-h100.html", "suite-multi.html", "suite-nightly.html",
-                     "suite-sweep.html"]
+                     "suite-sweep.html", "suite-workloads.html"]
     assert sorted(p.name for p in (out / "assets").iterdir()) == ["dashboard.css", "dashboard.js", "plotly.min.js"]
     for page in result.pages:
         html = page.read_text()
@@ -379,8 +573,9 @@ def test_build_dashboard_writes_pages_assets_and_small_data(runs, tmp_path: Path
     # raw samples stay out of the page: a sample off the median (median * 1.01) never appears
     assert f"{store.T_DENSE[256] * 1.01:.5g}" not in sweep and len(sweep) < 400_000
     index_html = (out / "index.html").read_text()
-    for name in ("sweep", "multi", "h100", "nightly"):
+    for name in ("sweep", "multi", "h100", "nightly", "workloads"):
         assert f'href="suite-{name}.html"' in index_html
+    assert "with filters for pattern, dtype, mode, device and workload (" in " ".join(index_html.split())
     assert commit_id(2) in index_html and "model" in index_html
     views = set(re.findall(r'class="view view-(\w+)"', sweep))
     assert views == {"time", "speedup", "memory", "breakeven", "breakeven_ratio", "correctness"}
@@ -397,7 +592,7 @@ def test_cli_dashboard_default_store_and_bad_input(runs, tmp_path: Path, capsys)
         return code, captured.out, captured.err
 
     code, out, _ = bench("--results", str(runs["root"]), "-o", str(tmp_path / "out"))
-    assert code == 0 and "4 suite page(s)" in out and (tmp_path / "out" / "index.html").is_file()
+    assert code == 0 and "5 suite page(s)" in out and (tmp_path / "out" / "index.html").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = bench("--results", str(empty), "-o", str(tmp_path / "out2"))

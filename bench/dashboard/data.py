@@ -5,17 +5,22 @@ data of each figure from synthetic runs. Raw timing samples stay out of rows (th
 intervals, not samples); `bench.history` reads samples from the runs itself.
 
 Grouping:
-- a *facet* is one (pattern, dtype, mode, device): the unit the page's filters select. `device` is the
+- a *facet* is one (pattern, dtype, mode, device, workload): the unit the page's filters select. `device` is the
   record's device string ("cpu: AMD EPYC 7B13", "cuda:0 NVIDIA H200", or the modelled card), so a model of
-  an H100 never shares a facet with a measurement on this CPU.
+  an H100 never shares a facet with a measurement on this CPU. `workload` is the attention shape and the query
+  rows (`workload()`: "MHA H8", "GQA H32/8 · q_len 1"), so decode never shares a figure with prefill.
 - within a facet, `varying_keys` are the parameters that take more than one value; a series label names
   exactly those, e.g. `w=16, B=2`, as STYLE.md's series labels do.
+- the time and memory views put `x_key()` on x: seq_len, or where only another count varies (documents, q_len,
+  window, ...), that one.
+- records written before a case field existed lack its key: it means the field's default (`LATER_DEFAULTS`).
 - `current_rows` keeps, for each (suite, environment fingerprint, source, device, case, impl), the record of
   the latest run: the state the suite pages show. Older runs appear in the history view.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,14 +29,24 @@ from bench.index import run_commit, run_fingerprint
 from bench.records import Record
 from bench.store import Run
 
-FACET_KEYS = ("pattern", "dtype", "mode", "device")
+FACET_KEYS = ("pattern", "dtype", "mode", "device", "workload")
+Facet = tuple[str, str, str, str, str]  # the values of FACET_KEYS
 # Parameters that never make two series differ on their own (device is a facet key; the record's own
 # device string is used instead of the requested auto|cpu|cuda).
 _NOT_SERIES_KEYS = frozenset(FACET_KEYS)
 # Short names for series labels (as the pattern labels `local_w64`, `block_random_p0.1_b64`).
 SHORT_NAMES = {"seq_len": "N", "window": "w", "density": "p", "block_size": "bs", "dilation": "d",
                "global_tokens": "g", "seed": "seed", "batch": "B", "heads": "H", "head_dim": "D",
-               "world_size": "P", "checkpoint": "ckpt", "env": "env"}
+               "world_size": "P", "checkpoint": "ckpt", "env": "env", "kv_heads": "Hkv", "q_len": "q",
+               "documents": "docs", "prefix": "pre", "image_width": "iw"}
+# Case fields added after the first records were written (bench/case.py `_LATER_FIELDS`): a record without the
+# key has the default. kv_heads and q_len written out as heads and seq_len mean the default too.
+LATER_DEFAULTS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
+                                  "image_width": None}
+_DEFAULT_FROM = {"kv_heads": "heads", "q_len": "seq_len"}  # None means the value of this other field
+# What the time and memory views may put on x, in order of preference: seq_len whenever it varies, else the
+# first of the others that does (a documents sweep at one length draws time against the number of documents).
+X_KEYS = ("seq_len", "documents", "q_len", "prefix", "window", "image_width", "kv_heads")
 BASELINES = ("dense", "sdpa")  # what sparse implementations are compared against, in order of preference
 
 
@@ -92,14 +107,48 @@ class Row:
         return (self.commit or "no-git")[:7]
 
     def param(self, key: str) -> Any:
-        """A parameter by name; `env` is the environment fingerprint (short), so it can label series."""
+        """A parameter by name, missing later fields as their default and kv_heads = heads, q_len = seq_len as
+        None (one value for the default, however it was written); `env` is the environment fingerprint (short),
+        so it can label series."""
         if key == "env":
             return self.fingerprint[:8]
-        return self.params.get(key)
+        value = self.params.get(key, LATER_DEFAULTS.get(key))
+        same_as = _DEFAULT_FROM.get(key)
+        if same_as is not None and value is not None and value == self.params.get(same_as):
+            return None
+        return value
 
-    def facet(self) -> tuple[str, str, str, str]:
+    @property
+    def workload(self) -> str:
+        return workload(self.params)
+
+    def facet(self) -> Facet:
         return (str(self.params.get("pattern")), str(self.params.get("dtype")), str(self.params.get("mode")),
-                self.device)
+                self.device, self.workload)
+
+
+def _count(value: Any) -> int | None:
+    """An integer parameter (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def workload(params: dict[str, Any]) -> str:
+    """The attention shape and the query rows of a case: `MHA H8`, `GQA H32/8`, `MQA H8/1`, and ` · q_len 16`
+    when fewer query rows than keys (decode, chunked prefill). Missing kv_heads and q_len are the defaults."""
+    heads, kv_heads = params.get("heads"), params.get("kv_heads")
+    h, kv = _count(heads), _count(kv_heads)
+    if h is None:
+        shape = f"H{'?' if heads is None else format_value(heads)}"
+    elif kv_heads is None or kv == h:
+        shape = f"MHA H{h}"
+    elif kv is not None and 0 < kv < h:
+        shape = f"{'MQA' if kv == 1 else 'GQA'} H{h}/{kv}"
+    else:  # not a valid grouping (the suite loader refuses it): shown as given
+        shape = f"H{h}/{format_value(kv_heads)}"
+    q, n = _count(params.get("q_len")), _count(params.get("seq_len"))
+    if q is not None and (n is None or q < n):
+        shape += f" · q_len {q}"
+    return shape
 
 
 def _device_of(record: Record, run: Run) -> str:
@@ -157,9 +206,9 @@ def current_rows(rows: Iterable[Row]) -> list[Row]:
     return list(latest.values())
 
 
-def facets(rows: Iterable[Row]) -> dict[tuple[str, str, str, str], list[Row]]:
-    """Rows grouped by (pattern, dtype, mode, device), in first-seen order."""
-    out: dict[tuple[str, str, str, str], list[Row]] = {}
+def facets(rows: Iterable[Row]) -> dict[Facet, list[Row]]:
+    """Rows grouped by (pattern, dtype, mode, device, workload), in first-seen order."""
+    out: dict[Facet, list[Row]] = {}
     for row in rows:
         out.setdefault(row.facet(), []).append(row)
     return out
@@ -186,9 +235,60 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def format_documents(value: Any) -> str:
+    """Packed documents, compactly: a count as given; lengths as `4x2048` when equal, `512+1536` when few, else
+    the count, the range and a digest of the lengths (two different lists never print the same)."""
+    if not isinstance(value, list) or not value or not all(_count(n) is not None for n in value):
+        return format_value(value)
+    if len(set(value)) == 1:
+        return f"{len(value)}x{value[0]}"
+    if len(value) <= 4:
+        return "+".join(str(n) for n in value)
+    digest = hashlib.sha1(repr(value).encode()).hexdigest()[:4]
+    return f"{len(value)} of {min(value)}..{max(value)} #{digest}"
+
+
+def format_param(key: str, value: Any) -> str:
+    return format_documents(value) if key == "documents" else format_value(value)
+
+
 def params_label(row: Row, keys: Sequence[str]) -> str:
     """`w=16, N=256` for the given keys ('' for none). Not escaped: callers escape for their medium."""
-    return ", ".join(f"{SHORT_NAMES.get(k, k)}={format_value(row.param(k))}" for k in keys)
+    return ", ".join(f"{SHORT_NAMES.get(k, k)}={format_param(k, row.param(k))}" for k in keys)
+
+
+def x_value(row: Row, key: str) -> int | None:
+    """The number the time and memory views put on x for `key`: documents as a count (lengths by how many, none
+    as one document), q_len and kv_heads with their defaults (seq_len, heads); None where the record has none."""
+    if key == "documents":
+        docs = row.params.get("documents")
+        if docs is None:
+            return 1
+        if isinstance(docs, list):
+            return len(docs) or None
+        return _count(docs)
+    value = row.params.get(key, LATER_DEFAULTS.get(key))
+    if value is None and key in _DEFAULT_FROM:
+        value = row.params.get(_DEFAULT_FROM[key])
+    return _count(value)
+
+
+def x_key(rows: Sequence[Row]) -> str:
+    """What the time and memory views of these rows put on x: seq_len when it varies, else the first of X_KEYS
+    that takes several values, else seq_len (one point per series)."""
+    for key in X_KEYS:
+        if len({v for r in rows if (v := x_value(r, key)) is not None}) > 1:
+            return key
+    return X_KEYS[0]
+
+
+def x_series(rows: Sequence[Row], key: str) -> dict[SeriesKey, list[Row]]:
+    """Rows that have a value for x = `key`, in series sorted along x. The x parameter names no series unless
+    x does not tell its values apart (two lists of as many documents): then it labels them too."""
+    on_x = [r for r in rows if x_value(r, key) is not None]
+    distinct = len({x_value(r, key) for r in on_x}) == len({_hashable(r.param(key)) for r in on_x})
+    return {k: sorted(members, key=lambda r: x_value(r, key) or 0)
+            for k, members in series_of(on_x, [key] if distinct else []).items()}
 
 
 def sort_key(value: Any) -> tuple[int, float, str]:
@@ -198,6 +298,13 @@ def sort_key(value: Any) -> tuple[int, float, str]:
     if isinstance(value, (int, float)):
         return (0, float(value), "")
     return (1, 0.0, str(value))
+
+
+def param_order(row: Row, key: str) -> tuple[int, float, str]:
+    """`sort_key` of a parameter, documents by their count (a list of lengths among counts)."""
+    if key == "documents" and (count := x_value(row, key)) is not None:
+        return (0, float(count), format_documents(row.params.get(key)))
+    return sort_key(row.param(key))
 
 
 @dataclass(frozen=True)

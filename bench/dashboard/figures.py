@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.dashboard.data import Row, SeriesKey
+from bench.dashboard.data import SHORT_NAMES, Row, SeriesKey
 from bench.dashboard.escaping import plot_text
 
 # plotly's default qualitative palette ("Plotly"), then a few more; implementations keep their colour on every page.
@@ -125,17 +125,42 @@ def axis(title: str, *, log: bool = False, **extra: Any) -> dict[str, Any]:
     return out
 
 
-class SeqLenAxis:
-    """The x axis of the views over sequence length: log when several lengths are shown, else one category
-    (a log axis around a single point picks a meaningless range)."""
+# The x axis of each parameter the time and memory views may put there (data.X_KEYS): (axis title, what the
+# figure title says it is drawn against).
+X_TITLES = {"seq_len": ("sequence length N", "sequence length"),
+            "documents": ("packed documents (count)", "number of documents"),
+            "q_len": ("query rows q_len (keys: seq_len)", "query rows"),
+            "prefix": ("prefix length", "prefix length"),
+            "window": ("window w", "window"),
+            "image_width": ("image width (tokens per row)", "image width"),
+            "kv_heads": ("KV heads Hkv", "KV heads")}
 
-    def __init__(self, lengths: Iterable[int], **extra: Any) -> None:
-        self.single = len(set(lengths)) <= 1
-        self.layout = (axis("sequence length N", type="category", **extra) if self.single
-                       else axis("sequence length N", log=True, **extra))
 
-    def __call__(self, lengths: Sequence[int]) -> list[int] | list[str]:
-        return [f"N={n}" for n in lengths] if self.single else list(lengths)
+class XAxis:
+    """The x axis of the views over one parameter (data.x_key): one category for a single value (a log axis
+    around one point picks a meaningless range); log for positive values spanning a factor of 4 or more (any
+    two sequence lengths: those sweeps double); else linear (a prefix of 0, a few neighbouring counts)."""
+
+    def __init__(self, key: str, values: Iterable[int], **extra: Any) -> None:
+        distinct = set(values)
+        self.key = key
+        self.title, self.against = X_TITLES.get(key, (key, key))
+        self.single = len(distinct) <= 1
+        self.log = (not self.single and min(distinct) > 0
+                    and (key == "seq_len" or max(distinct) >= 4 * min(distinct)))
+        if self.single:
+            self.layout = axis(self.title, type="category", **extra)
+        else:
+            self.layout = axis(self.title, log=self.log, **extra)
+
+    @property
+    def scale(self) -> str:
+        """How the figure's title describes its axes (the y axes of the time and memory views are log)."""
+        return "log-log" if self.log else "log y"
+
+    def __call__(self, values: Sequence[int]) -> list[int] | list[str]:
+        short = SHORT_NAMES.get(self.key, self.key)
+        return [f"{short}={v}" for v in values] if self.single else list(values)
 
 
 def hover(lines: Sequence[str]) -> str:

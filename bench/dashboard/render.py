@@ -24,7 +24,7 @@ from typing import Any
 import jinja2
 from plotly.offline import get_plotlyjs
 
-from bench.dashboard.data import Row, current_rows, rows_from_runs
+from bench.dashboard.data import FACET_KEYS, Row, current_rows, rows_from_runs
 from bench.dashboard.escaping import round_floats, script_json
 from bench.dashboard.figures import Colours
 from bench.dashboard.suite_page import SuitePage, build_suite_page, suite_file_name
@@ -141,7 +141,8 @@ def index_context(runs: Sequence[Run], rows: Sequence[Row], pages: Sequence[Suit
         entry["first"] = _when(entry["first"])
         entry["suites"] = list(entry["suites"].values())
     return {"suites": suites, "runs": run_rows[::-1], "environments": list(environments.values()),
-            "commits": commit_list, "warnings": [w for run in runs for w in run.warnings]}
+            "commits": commit_list, "warnings": [w for run in runs for w in run.warnings],
+            "filters": list(FACET_KEYS)}
 
 
 def write_assets(out: Path) -> None:

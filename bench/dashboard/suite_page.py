@@ -1,5 +1,5 @@
-"""One suite's page: its facets (pattern, dtype, mode, device), each with the figures its records support and a
-line saying which views have no data there and why."""
+"""One suite's page: its facets (pattern, dtype, mode, device, workload), each with the figures its records support
+and a line saying which views have no data there and why."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bench.dashboard.data import Row, current_rows, facets
+from bench.dashboard.data import FACET_KEYS, Facet, Row, current_rows, facets
 from bench.dashboard.figures import Colours, Figure
 from bench.dashboard.views_breakeven import breakeven_figures
 from bench.dashboard.views_comm import comm_figure
@@ -40,13 +40,22 @@ class Section:
     dtype: str
     mode: str
     device: str
+    workload: str  # data.workload: "MHA H8", "GQA H32/8 · q_len 1"
     rows: list[Row]
     figures: list[Figure] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # views not drawn here, with the reason
 
     @property
+    def key(self) -> Facet:
+        return (self.pattern, self.dtype, self.mode, self.device, self.workload)
+
+    def facet_values(self) -> dict[str, str]:
+        """Each facet key with this section's value: the page's filters match on them."""
+        return dict(zip(FACET_KEYS, self.key, strict=True))
+
+    @property
     def title(self) -> str:
-        return f"{self.pattern} · {self.dtype} · {self.mode} · {self.device}"
+        return " · ".join(self.key)
 
     @property
     def modelled_only(self) -> bool:
@@ -67,8 +76,7 @@ class SuitePage:
 
     def filter_values(self) -> dict[str, list[str]]:
         """The values each page control can take, in the order the sections show them."""
-        return {key: list(dict.fromkeys(getattr(s, key) for s in self.sections))
-                for key in ("pattern", "dtype", "mode", "device")}
+        return {key: list(dict.fromkeys(s.facet_values()[key] for s in self.sections)) for key in FACET_KEYS}
 
     @property
     def figures(self) -> list[Figure]:
@@ -123,9 +131,9 @@ def build_suite_page(name: str, runs: Sequence[Run], rows: Sequence[Row], histor
     latest_run = max(runs, key=lambda r: (r.info.started_at, r.info.run_id))
     description = latest_run.info.suite.content.get("description")
     sections = []
-    for (pattern, dtype, mode, device), members in facets(current_rows(rows)).items():
-        section = Section(pattern, dtype, mode, device, members)
-        in_facet = [h for h in history if h.facet == (pattern, dtype, mode, device)]
+    for key, members in facets(current_rows(rows)).items():
+        section = Section(*key, members)
+        in_facet = [h for h in history if h.facet == key]
         section_figures(section, in_facet, commits, colours)
         sections.append(section)
     return SuitePage(name, suite_file_name(name), None if description is None else str(description), list(runs),

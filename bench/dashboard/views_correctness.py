@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.dashboard.data import Row, SeriesKey, params_label, sort_key, varying_keys
+from bench.dashboard.data import Row, SeriesKey, param_order, params_label, sort_key, varying_keys
 from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import Figure, axis, base_layout, provenance, row_hover
 
@@ -35,7 +35,7 @@ def case_labels(rows: Sequence[Row]) -> list[tuple[str, str]]:
     first: dict[str, Row] = {}
     for r in rows:
         first.setdefault(r.case_id, r)
-    ordered = sorted(first.values(), key=lambda r: [sort_key(r.params.get(k)) for k in ["seq_len", *keys]])
+    ordered = sorted(first.values(), key=lambda r: [param_order(r, k) for k in ["seq_len", *keys]])
     labels = [params_label(r, keys) or r.case_id for r in ordered]
     if len(set(labels)) < len(labels):
         labels = [r.case_id for r in ordered]

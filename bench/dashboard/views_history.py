@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from bench.dashboard.data import Row, SeriesKey, params_label, varying_keys
+from bench.dashboard.data import Facet, Row, SeriesKey, params_label, varying_keys
 from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import Colours, Figure, axis, base_layout, format_seconds, hover, provenance
 from bench.history import Series, build_history
@@ -26,7 +26,8 @@ class HistorySeries:
     row: Row  # the latest record of this (fingerprint, case, impl): its facet and parameters
 
     @property
-    def facet(self) -> tuple[str, str, str, str]:
+    def facet(self) -> Facet:
+        """(pattern, dtype, mode, device, workload) of its latest record: the section it is drawn in."""
         return self.row.facet()
 
 

@@ -1,5 +1,6 @@
-"""Time against sequence length (log-log, with the median's 95% interval as a band) and speedup over dense as a
-heatmap over (sequence length, window or density)."""
+"""Time against sequence length (log-log, with the median's 95% interval as a band; against the number of
+documents, q_len, window, ... where only that varies: data.x_key) and speedup over dense as a heatmap over
+(sequence length, window or density)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 from bench.dashboard.data import (
     BASELINES,
+    X_KEYS,
     Row,
     SeriesKey,
     baseline_impl,
@@ -17,12 +19,16 @@ from bench.dashboard.data import (
     series_of,
     sort_key,
     varying_keys,
+    x_key,
+    x_series,
+    x_value,
 )
 from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import (
+    X_TITLES,
     Colours,
     Figure,
-    SeqLenAxis,
+    XAxis,
     axis,
     base_layout,
     format_seconds,
@@ -33,34 +39,40 @@ from bench.dashboard.figures import (
 )
 
 # ---------------------------------------------------------------------------------------------------------
-# time against sequence length
+# time against sequence length (or the parameter of data.x_key)
 
 
 @dataclass(frozen=True)
 class TimeSeries:
     key: SeriesKey
-    rows: tuple[Row, ...]  # sorted by seq_len
+    rows: tuple[Row, ...]  # sorted along x
+    x_key: str = "seq_len"  # the parameter on x (data.x_key)
+
+    @property
+    def x(self) -> list[int]:
+        return [v for r in self.rows if (v := x_value(r, self.x_key)) is not None]
 
     @property
     def seq_len(self) -> list[int]:
-        return [int(r.params["seq_len"]) for r in self.rows]
+        return [v for r in self.rows if (v := x_value(r, "seq_len")) is not None]
 
     @property
     def median_s(self) -> list[float]:
         return [float(r.median_s) for r in self.rows]  # type: ignore[arg-type]
 
     def band(self) -> tuple[list[int], list[float], list[float]]:
-        """(seq_len, low, high) of the points that have a 95% interval of their median."""
+        """(x, low, high) of the points that have a 95% interval of their median."""
         with_ci = [r for r in self.rows if r.ci95_s is not None]
-        return ([int(r.params["seq_len"]) for r in with_ci], [r.ci95_s[0] for r in with_ci],  # type: ignore[index]
-                [r.ci95_s[1] for r in with_ci])  # type: ignore[index]
+        return ([v for r in with_ci if (v := x_value(r, self.x_key)) is not None],
+                [r.ci95_s[0] for r in with_ci], [r.ci95_s[1] for r in with_ci])  # type: ignore[index]
 
 
-def time_series(rows: Sequence[Row]) -> list[TimeSeries]:
-    """One series per (impl, provenance, other varying parameters) over the `ok` records with a time."""
-    timed = [r for r in rows if r.measured_ok and isinstance(r.params.get("seq_len"), int)]
-    return [TimeSeries(key, tuple(sorted(members, key=lambda r: r.params["seq_len"])))
-            for key, members in series_of(timed, ["seq_len"]).items()]
+def time_series(rows: Sequence[Row], x: str | None = None) -> list[TimeSeries]:
+    """One series per (impl, provenance, other varying parameters) over the `ok` records with a time, along
+    x = `x` (default: `x_key(rows)`, seq_len unless only another count varies)."""
+    key = x or x_key(rows)
+    timed = [r for r in rows if r.measured_ok]
+    return [TimeSeries(k, tuple(members), key) for k, members in x_series(timed, key).items()]
 
 
 def rgba(colour: str, alpha: float) -> str:
@@ -69,13 +81,14 @@ def rgba(colour: str, alpha: float) -> str:
 
 
 def time_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
-    series = time_series(rows)
+    key = x_key(rows)
+    series = time_series(rows, key)
     if not series:
         return None
     traces = []
     variants = label_variants(s.key for s in series)
-    x_axis = SeqLenAxis(n for s in series for n in s.seq_len)
-    single_n = x_axis.single  # one length: CIs as error bars instead of a band
+    x_axis = XAxis(key, (n for s in series for n in s.x))
+    single_n = x_axis.single  # one x value: CIs as error bars instead of a band
     for s in series:
         name = plot_text(s.key.name())
         style = trace_style(s.key, colours(s.key.impl), variants[s.key.label])
@@ -94,13 +107,13 @@ def time_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
             ci = f" [{format_seconds(r.ci95_s[0])}, {format_seconds(r.ci95_s[1])}]" if r.ci95_s else ""
             texts.append(row_hover(r, f"median {format_seconds(r.median_s)}{ci} over {r.samples} samples"))
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "legendgroup": name,
-                       "x": x_axis(s.seq_len), "y": s.median_s,
+                       "x": x_axis(s.x), "y": s.median_s,
                        "hovertext": texts, "hoverinfo": "text", **style})
     prov = provenance(r for s in series for r in s.rows)
-    layout = base_layout("Time per call against sequence length", prov)
+    layout = base_layout(f"Time per call against {x_axis.against}", prov)
     layout["xaxis"] = x_axis.layout
     layout["yaxis"] = axis("time per call [s] (median, band: 95% CI)", log=True, exponentformat="SI")
-    return Figure("time", "Time per call against sequence length (log-log; band: 95% CI of the median)",
+    return Figure("time", f"Time per call against {x_axis.against} ({x_axis.scale}; band: 95% CI of the median)",
                   prov.text(), {"data": traces, "layout": layout})
 
 
@@ -126,14 +139,15 @@ class SpeedupPanel:
 @dataclass(frozen=True)
 class SpeedupData:
     baseline: str
-    y_key: str | None  # window | density | None
+    y_key: str | None  # density | window | another of data.X_KEYS (documents, ...) | None
     panels: tuple[SpeedupPanel, ...]
 
 
 def speedup_y_key(rows: Sequence[Row]) -> str | None:
-    """The heatmap's second axis: the density or window that varies; else the one the pattern uses."""
+    """The heatmap's second axis: the density or window that varies, else another count of data.X_KEYS that
+    does (documents, ...); else the density or window the pattern uses."""
     varying = varying_keys(rows, exclude=["seq_len"])
-    for key in ("density", "window"):
+    for key in ("density", "window", *X_KEYS[1:]):
         if key in varying:
             return key
     fields = pattern_fields(rows[0]) if rows else set()
@@ -175,11 +189,17 @@ def speedup_data(rows: Sequence[Row]) -> SpeedupData | None:
         for r in members:
             b = base[pair_key(r)]
             if r.median_s and b.median_s:
-                cells.append(SpeedupCell(int(r.params["seq_len"]), r.params.get(y_key) if y_key else None,
-                                         b.median_s / r.median_s, r, b))
+                cells.append(SpeedupCell(int(r.params["seq_len"]), _y_value(r, y_key), b.median_s / r.median_s, r, b))
         if cells:
             panels.append(SpeedupPanel(key, tuple(cells)))
     return SpeedupData(baseline, y_key, tuple(panels)) if panels else None
+
+
+def _y_value(row: Row, y_key: str | None) -> object:
+    """A cell's row: the density or window as given; documents as a count (data.x_value)."""
+    if y_key is None:
+        return None
+    return x_value(row, y_key) if y_key in X_KEYS[1:] and y_key != "window" else row.params.get(y_key)
 
 
 def _grid_domains(n: int, columns: int) -> list[tuple[list[float], list[float]]]:
@@ -201,7 +221,8 @@ def speedup_figure(rows: Sequence[Row]) -> Figure | None:
         return None
     columns = min(len(data.panels), 3)
     domains = _grid_domains(len(data.panels), columns)
-    y_name = {"density": "density p", "window": "window w"}.get(data.y_key or "", "")
+    y_name = {"density": "density p", "window": "window w"}.get(data.y_key or "") or X_TITLES.get(data.y_key or "",
+                                                                                              ("", ""))[0]
     all_speedups = [c.speedup for p in data.panels for c in p.cells if c.speedup > 0]
     span = max([1.0, *(abs(math.log2(s)) for s in all_speedups)])
     prov = provenance(r for p in data.panels for c in p.cells for r in (c.row, c.baseline))
