@@ -3,7 +3,8 @@
 
 The conformance test already runs this implementation with its interpreter configuration; here the kernels
 run with small asymmetric tiles (many tiles, partial ones at the sequence end), with every GPU candidate tile
-shape, on a pattern with empty rows, and through the measuring worker's code path. GPU-only checks are in
+shape, on a pattern with empty rows, with grouped-query heads, fewer query rows than keys (decode, chunked
+prefill) and packed documents, and through the measuring worker's code path. GPU-only checks are in
 test_triton_block_sparse_gpu.py.
 """
 
@@ -21,12 +22,13 @@ import torch
 from bench.case import Case
 from bench.console import summary_table
 from bench.measure import CaseCache, Task, measure_task
-from bench.patterns import PATTERNS, Pattern, make_pattern
+from bench.patterns import Causal, Pattern, make_pattern
 from bench.reference import compare, reference_attention, tolerance_for
 from bench.registry import get
 from impls.triton_block_sparse import launch, tables
 from impls.triton_block_sparse.launch import TileConfig
 from tests.conftest import ROOT
+from tests.pattern_zoo import BUILTIN, valid_fields
 
 FIELDS = dict(window=12, density=0.3, block_size=16, dilation=3, global_tokens=2, seed=5)
 N = 75  # a multiple of no tile side: every kernel meets partial tiles at the end of the sequence
@@ -35,24 +37,23 @@ CPU_ONLY = pytest.mark.skipif(not launch.uses_interpreter(),
                                      "(run them on CPU or with TRITON_INTERPRET=1)")
 
 
-def pattern_for(name: str, n: int = N) -> Pattern:
-    fields = dict(FIELDS)
-    if name == "axial":  # seq_len = R*C: the smallest divisor of n that is at least sqrt(n)
-        fields["window"] = next(c for c in range(math.isqrt(n), n + 1) if c > 0 and n % c == 0)
-    return make_pattern(name, n, **fields)
+def pattern_for(name: str, n: int = N, **structure) -> Pattern:
+    """Built-in pattern `name` over n tokens with FIELDS, made valid (axial and neighborhood need n = R*C);
+    `structure`: q_len, documents."""
+    return make_pattern(name, n, **structure, **valid_fields(name, n, **FIELDS))
 
 
 # --- lookup tables --------------------------------------------------------------------------------------
 
 def tile_views(mask: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the dense mask: (listed, full, tiles) per (query tile, key tile); tiles (nq, bm, nk, bn)."""
-    n = mask.shape[0]
-    nq, nk = math.ceil(n / bm), math.ceil(n / bn)
+    """From the dense (q_len, N) mask: (listed, full, tiles) per (query tile, key tile); tiles (nq, bm, nk, bn)."""
+    rows, n = mask.shape
+    nq, nk = math.ceil(rows / bm), math.ceil(n / bn)
     padded = torch.zeros(nq * bm, nk * bn, dtype=torch.bool)
-    padded[:n, :n] = mask
+    padded[:rows, :n] = mask
     tiles = padded.view(nq, bm, nk, bn)
     listed = tiles.any(dim=3).any(dim=1)
-    row_valid = (torch.arange(nq * bm) < n).view(nq, bm, 1, 1)
+    row_valid = (torch.arange(nq * bm) < rows).view(nq, bm, 1, 1)
     keys_in_range = (torch.arange(1, nk + 1) * bn <= n)[None, :]
     full = (tiles | ~row_valid).all(dim=3).all(dim=1) & keys_in_range & listed
     return listed, full, tiles
@@ -75,16 +76,35 @@ def listing(offsets: torch.Tensor, full_counts: torch.Tensor, items: torch.Tenso
 
 
 TILE_SHAPES = [(16, 16), (32, 16), (16, 32), (64, 32)]
+STRUCTURES = ["square", "rows37", "decode", "docs_rows50"]
 
 
+def structured_pattern(name: str, structure: str) -> Pattern:
+    """The q_len x N matrix of `structure`: square (97 x 97), the last 37 of 97 positions (chunked prefill:
+    rows offset by 60, a multiple of no tile side), one query row (decode), or packed documents (one of
+    length 1) under chunked prefill (50 rows). Axial and neighborhood get documents that are whole images."""
+    if structure != "docs_rows50":
+        return pattern_for(name, 97, q_len={"square": None, "rows37": 37, "decode": 1}[structure])
+    if name == "axial":
+        return make_pattern(name, 96, q_len=50, documents=[24, 48, 24], **{**FIELDS, "window": 12})
+    if name == "neighborhood":
+        return make_pattern(name, 96, q_len=50, documents=[36, 60], **{**FIELDS, "window": 3, "image_width": 12})
+    return pattern_for(name, 97, q_len=50, documents=[1, 30, 41, 25])
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
 @pytest.mark.parametrize("shape", TILE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("pattern_name", sorted(PATTERNS))
-def test_tables_match_the_pattern_exactly(pattern_name, shape):
-    pattern = pattern_for(pattern_name, 97)
+@pytest.mark.parametrize("pattern_name", BUILTIN)
+def test_tables_match_the_pattern_exactly(pattern_name, shape, structure):
+    pattern = structured_pattern(pattern_name, structure)
+    n = pattern.seq_len
     bm, bn = shape
     t = tables.build_tables(pattern.block_sparse(tables.base_block([shape])), bm, bn, with_bits=True)
     mask = pattern.dense_mask()
+    assert mask.shape == (pattern.q_len, n)
     listed, full, tiles = tile_views(mask, bm, bn)
+    n_q, n_k = math.ceil(pattern.q_len / bm), math.ceil(n / bn)
+    assert listed.shape == (n_q, n_k) and len(t.row_full) == n_q and len(t.col_full) == n_k
     if bm == bn:
         assert torch.equal(listed, pattern.block_layout(bm))
 
@@ -125,8 +145,8 @@ def test_tables_match_the_pattern_exactly(pattern_name, shape):
     # without bitmasks, the partial tiles that only the sequence end cuts are marked for the formula kernels
     formula = tables.build_tables(pattern.block_sparse(tables.base_block([shape])), bm, bn, with_bits=False)
     assert torch.equal(formula.row_cols, t.row_cols) and torch.equal(formula.col_rows, t.col_rows)
-    n_q, n_k = math.ceil(97 / bm), math.ceil(97 / bn)
-    outside = (torch.arange(n_q * bm) >= 97).view(n_q, bm, 1, 1) | (torch.arange(n_k * bn) >= 97).view(1, 1, n_k, bn)
+    outside = ((torch.arange(n_q * bm) >= pattern.q_len).view(n_q, bm, 1, 1)
+               | (torch.arange(n_k * bn) >= n).view(1, 1, n_k, bn))
     cut_by_end = (tiles | outside).all(dim=3).all(dim=1) & listed & ~full
     for r, entries in enumerate(listing(formula.row_offsets, formula.row_full, formula.row_cols,
                                         formula.row_slots)):
@@ -153,7 +173,8 @@ def test_tables_reject_a_tile_the_view_cannot_build():
     ("causal_local", (64, 64), "band"), ("dilated", (64, 64), "band"), ("longformer", (64, 64), "band"),
     ("strided", (64, 64), "strided"), ("axial", (64, 64), "axial"), ("random", (16, 16), "bitmask"),
     ("block_random", (16, 16), "bounds"), ("block_random", (32, 16), "bitmask"),
-    ("bigbird", (16, 16), "band"), ("bigbird", (64, 64), "bitmask"),
+    ("bigbird", (16, 16), "band"), ("bigbird", (64, 64), "bitmask"), ("prefix_lm", (64, 64), "band"),
+    ("sink", (64, 64), "band"), ("neighborhood", (16, 16), "bitmask"),
 ])
 def test_mask_choice(pattern_name, shape, kind):
     spec = tables.mask_spec(pattern_for(pattern_name), [shape])
@@ -161,7 +182,72 @@ def test_mask_choice(pattern_name, shape, kind):
     if pattern_name == "dilated":
         assert (spec.band_lo, spec.band_hi, spec.dilation) == (-6, 6, 3)
     if pattern_name in ("longformer", "bigbird") and kind == "band":
-        assert spec.global_tokens == 2
+        assert (spec.global_rows, spec.global_cols) == (2, 2) and spec.global_lo <= -N
+    if pattern_name == "prefix_lm":
+        assert (spec.band_lo, spec.global_rows, spec.global_cols) == (0, 0, 20) and spec.global_lo <= -N
+    if pattern_name == "sink":
+        assert (spec.band_lo, spec.band_hi, spec.global_rows, spec.global_cols, spec.global_lo) == (0, 11, 0, 2, 0)
+    assert spec.q_offset == 0
+
+
+class NamedCausal(Causal):
+    """Shares a built-in name but not its predicate: a formula chosen by name would be wrong."""
+
+    def allowed(self, i, j):
+        return (j <= i) & (j % 2 == 0)
+
+
+def test_mask_choice_never_takes_a_formula_that_may_be_wrong():
+    # packed documents: nothing of a formula over positions crosses a document boundary correctly
+    for name in ("causal", "local", "dense", "sink", "prefix_lm", "block_random"):
+        assert tables.mask_spec(pattern_for(name, documents=[30, 45]), [(16, 16)]).name == "bitmask", name
+    # a class that is not the built-in one, whatever its name; and patterns unknown to the kernel
+    assert tables.mask_spec(NamedCausal(N), [(64, 64)]).name == "bitmask"
+    assert tables.mask_spec(LateCausal(N), [(64, 64)]).name == "bitmask"
+    # rows offset by q_offset: random blocks align with tiles only when q_offset is a multiple of block_m
+    assert tables.mask_spec(pattern_for("block_random", 96, q_len=48), [(16, 16)]).name == "bounds"
+    assert tables.mask_spec(pattern_for("block_random", 96, q_len=40), [(16, 16)]).name == "bitmask"
+    assert tables.mask_spec(pattern_for("bigbird", 96, q_len=37), [(16, 16)]).name == "bitmask"
+    # formulas over positions carry the offset of row 0
+    assert tables.mask_spec(pattern_for("causal", 96, q_len=37), [(16, 16)]).q_offset == 59
+
+
+def formula_mask(spec: tables.MaskSpec, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """kernels._allowed for a formula, in torch: rows of the matrix, key positions (broadcast)."""
+    i, j = rows + spec.q_offset, cols
+    if spec.kind == tables.MASK_BAND:
+        d = i - j
+        ok = (d >= spec.band_lo) & (d <= spec.band_hi) & (d % spec.dilation == 0)
+        return ok | (i < spec.global_rows) | ((j < spec.global_cols) & (d >= spec.global_lo))
+    if spec.kind == tables.MASK_STRIDED:
+        return (i // spec.period == j // spec.period) | (j % spec.period == spec.period - 1)
+    if spec.kind == tables.MASK_AXIAL:
+        return (i // spec.period == j // spec.period) | (i % spec.period == j % spec.period)
+    assert spec.kind == tables.MASK_NONE
+    return torch.ones(torch.broadcast_shapes(rows.shape, cols.shape), dtype=torch.bool)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("shape", [(16, 16), (32, 16), (64, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("pattern_name", BUILTIN)
+def test_formula_masks_are_exact_in_every_partial_tile(pattern_name, shape, structure):
+    """Wherever mask_spec picks a formula, it equals the pattern in each partial tile the kernels mask by it."""
+    pattern = structured_pattern(pattern_name, structure)
+    spec = tables.mask_spec(pattern, [shape])
+    if spec.kind == tables.MASK_BITS:
+        return
+    bm, bn = shape
+    t = tables.build_tables(pattern.block_sparse(tables.base_block([shape])), bm, bn, with_bits=False)
+    mask = pattern.dense_mask()
+    for r, entries in enumerate(listing(t.row_offsets, t.row_full, t.row_cols, t.row_slots)):
+        rows = torch.arange(r * bm, min(pattern.q_len, (r + 1) * bm))
+        for c, is_full, slot in entries:
+            cols = torch.arange(c * bn, min(pattern.seq_len, (c + 1) * bn))
+            expected = mask[rows[:, None], cols[None, :]]
+            if is_full or slot == tables.BOUNDS_ONLY:
+                assert expected.all(), (r, c)
+            else:
+                assert torch.equal(formula_mask(spec, rows[:, None], cols[None, :]), expected), (r, c)
 
 
 # --- configurations -------------------------------------------------------------------------------------
@@ -240,12 +326,15 @@ SMALL = dict(fwd=TileConfig(32, 16, 4, 1), dkdv=TileConfig(16, 32, 4, 1), dq=Til
 
 
 def check_against_oracle(pattern: Pattern, plan_configs: dict, dtype: torch.dtype, head_dim: int,
-                         batch: int = 1, heads: int = 2) -> None:
-    n = pattern.seq_len
+                         batch: int = 1, heads: int = 2, kv_heads: int | None = None) -> tuple:
+    """Output and gradients against the float64 oracle: q (B, H, q_len, D), k and v (B, Hkv, N, D).
+    Returns the output and the gradients (dq, dk, dv)."""
+    hkv = heads if kv_heads is None else kv_heads
     gen = torch.Generator().manual_seed(3)
-    q, k, v, grad_out = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dtype) for _ in range(4))
+    q, grad_out = (torch.randn(batch, heads, pattern.q_len, head_dim, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(batch, hkv, pattern.seq_len, head_dim, generator=gen).to(dtype) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    plan = launch.plan_with_configs(pattern, q, plan_configs["fwd"], plan_configs["dkdv"], plan_configs["dq"])
+    plan = launch.plan_with_configs(pattern, q, plan_configs["fwd"], plan_configs["dkdv"], plan_configs["dq"], k)
     out = launch.BlockSparseAttention.apply(q, k, v, plan)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -253,26 +342,95 @@ def check_against_oracle(pattern: Pattern, plan_configs: dict, dtype: torch.dtyp
     expected = torch.autograd.grad(ref, leaves, grad_out.double())
     tol = tolerance_for({torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype])
     for name, a, e in [("out", out, ref), *zip(("dq", "dk", "dv"), got, expected, strict=True)]:
+        assert a.shape == e.shape, (name, a.shape, e.shape)
         stats = compare(a, e, tol)
-        assert stats.passed, f"{pattern.label} {dtype} D={head_dim} {name}: rel_l2 {stats.rel_l2} > {tol}"
+        assert stats.passed, f"{pattern!r} {dtype} D={head_dim} {name}: rel_l2 {stats.rel_l2} > {tol}"
+    return out, got
 
 
 @CPU_ONLY
 @pytest.mark.parametrize("head_dim", [16, 80])  # exact, and padded to 128 inside the kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
-@pytest.mark.parametrize("pattern_name", sorted(PATTERNS))
+@pytest.mark.parametrize("pattern_name", BUILTIN)
 def test_kernels_match_oracle_with_small_tiles(pattern_name, dtype, head_dim):
     check_against_oracle(pattern_for(pattern_name), SMALL, dtype, head_dim)
 
 
+# (pattern, structure, heads, kv_heads): formulas over offset rows, bitmasks, decode, documents, GQA and MQA.
+STRUCTURED_CASES = [
+    ("causal", dict(q_len=37), 4, 2),
+    ("causal_local", dict(q_len=1), 3, 1),  # decode: one query row
+    ("local", dict(q_len=37), 4, 4),
+    ("dilated", dict(q_len=50), 2, 1),
+    ("longformer", dict(q_len=37), 4, 2),  # global rows: positions < g lie before the queries
+    ("prefix_lm", dict(q_len=60), 4, 2),
+    ("sink", dict(q_len=33), 4, 1),
+    ("strided", dict(q_len=37), 2, 2),
+    ("axial", dict(q_len=37), 4, 2),
+    ("block_random", dict(q_len=43), 4, 2),  # tiles larger than the pattern's blocks: bitmasks
+    ("bigbird", dict(q_len=37), 4, 2),
+    ("random", dict(q_len=1), 2, 1),
+    ("neighborhood", dict(q_len=40), 4, 2),
+    ("causal", dict(q_len=50, documents=[1, 30, 44]), 4, 1),
+    ("local", dict(documents=4), 4, 2),
+]
+
+
 @CPU_ONLY
+@pytest.mark.parametrize("pattern_name, structure, heads, kv_heads", STRUCTURED_CASES,
+                         ids=[f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}-h{c[2]}kv{c[3]}"
+                              for c in STRUCTURED_CASES])
+def test_kernels_with_query_rows_documents_and_kv_heads(pattern_name, structure, heads, kv_heads):
+    pattern = pattern_for(pattern_name, **structure)
+    out, _ = check_against_oracle(pattern, SMALL, torch.float32, 16, batch=2, heads=heads, kv_heads=kv_heads)
+    assert out.shape == (2, heads, pattern.q_len, 16)
+
+
+@CPU_ONLY
+def test_gqa_gradients_are_deterministic_sums_over_the_group():
+    """dK/dV of a KV head sum its query heads in one program, in a fixed order: bitwise equal across runs,
+    and the sum of what each query head alone (as its own KV head) would give."""
+    pattern = pattern_for("causal", q_len=50)
+    first = check_against_oracle(pattern, SMALL, torch.float32, 16, heads=4, kv_heads=2)
+    second = check_against_oracle(pattern, SMALL, torch.float32, 16, heads=4, kv_heads=2)
+    for a, b in zip((first[0], *first[1]), (second[0], *second[1]), strict=True):
+        assert torch.equal(a, b)
+    gen = torch.Generator().manual_seed(4)
+    q, grad_out = (torch.randn(1, 4, 50, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, N, 16, generator=gen).requires_grad_() for _ in range(2))
+    plan = launch.plan_with_configs(pattern, q, **SMALL)
+    dk, dv = torch.autograd.grad(launch.BlockSparseAttention.apply(q, k, v, plan), (k, v), grad_out)
+    k_rep, v_rep = (t.detach().repeat_interleave(2, dim=1).requires_grad_() for t in (k, v))
+    dk_rep, dv_rep = torch.autograd.grad(launch.BlockSparseAttention.apply(q, k_rep, v_rep, plan), (k_rep, v_rep),
+                                         grad_out)
+    assert torch.allclose(dk, dk_rep.view(1, 2, 2, N, 16).sum(2), atol=1e-5)
+    assert torch.allclose(dv, dv_rep.view(1, 2, 2, N, 16).sum(2), atol=1e-5)
+
+
+@CPU_ONLY
+def test_plan_says_rows_keys_and_group_and_checks_shapes():
+    pattern = pattern_for("sink", q_len=33)
+    q = torch.randn(1, 4, 33, 16)
+    k = torch.randn(1, 2, N, 16)
+    plan = launch.plan_with_configs(pattern, q, **SMALL, k=k)
+    info = plan.describe()
+    assert (info["q_len"], info["seq_len"], info["kv_group"]) == (33, N, 2)
+    assert (info["fwd"]["query_tiles"], info["fwd"]["key_tiles"]) == (math.ceil(33 / 32), math.ceil(N / 16))
+    assert (info["bwd_dkdv"]["query_tiles"], info["bwd_dkdv"]["key_tiles"]) == (math.ceil(33 / 16), math.ceil(N / 32))
+    assert info["fwd"]["mask"] == "band"
+    with pytest.raises(ValueError, match="33 query rows over 75 keys"):
+        launch.BlockSparseAttention.apply(torch.randn(1, 4, 34, 16), k, k, plan)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("q_len", [None, 43], ids=["square", "rows43"])  # 43 rows: row 0 is position 32
 @pytest.mark.parametrize("pattern_name, kind", [("block_random", "bounds"), ("bigbird", "band")])
-def test_random_blocks_aligned_with_tiles_use_formula_masks(pattern_name, kind):
+def test_random_blocks_aligned_with_tiles_use_formula_masks(pattern_name, kind, q_len):
     """16-tiles over the pattern's 16-blocks: kept random blocks are whole tiles, the rest a formula."""
     configs = dict(fwd=TileConfig(16, 16, 4, 1), dkdv=TileConfig(16, 16, 4, 1), dq=TileConfig(16, 16, 4, 1))
-    pattern = pattern_for(pattern_name)
+    pattern = pattern_for(pattern_name, q_len=q_len)
     assert tables.mask_spec(pattern, [(16, 16)]).name == kind
-    check_against_oracle(pattern, configs, torch.float32, 32)
+    check_against_oracle(pattern, configs, torch.float32, 32, heads=2, kv_heads=1)
 
 
 @CPU_ONLY
@@ -316,6 +474,21 @@ def test_non_contiguous_inputs():
     assert not q.is_contiguous()
     plan = launch.plan_with_configs(pattern, q, SMALL["fwd"])
     out = launch.BlockSparseAttention.apply(q, k, v, plan)
+    assert compare(out, reference_attention(q, k, v, pattern), 1e-4).passed
+
+
+@CPU_ONLY
+def test_non_contiguous_grouped_inputs_with_fewer_query_rows():
+    """GQA from packed projections: q the last 40 rows of a (B, N, H, D) view, k and v of a (B, N, Hkv, 2, D)
+    one; the kernels read KV head h // G through the strides."""
+    pattern = pattern_for("causal_local", q_len=40)
+    q = torch.randn(2, N, 4, 32)[:, -40:].transpose(1, 2)
+    kv = torch.randn(2, N, 2, 2, 32)
+    k, v = (kv[:, :, :, i].transpose(1, 2) for i in range(2))
+    assert not (q.is_contiguous() or k.is_contiguous())
+    plan = launch.plan_with_configs(pattern, q, SMALL["fwd"])
+    out = launch.BlockSparseAttention.apply(q, k, v, plan)
+    assert out.shape == (2, 4, 40, 32)
     assert compare(out, reference_attention(q, k, v, pattern), 1e-4).passed
 
 

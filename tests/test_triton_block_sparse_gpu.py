@@ -1,6 +1,7 @@
 """triton_block_sparse on a CUDA GPU: the compiled kernels against the float64 oracle at realistic sizes in
-bfloat16 and float16, every candidate tile configuration, and autotuning. Skipped without a GPU (they cannot
-run elsewhere); scripts/gpu_check.sh runs them with `pytest -m gpu`. No timing is asserted.
+bfloat16 and float16, every candidate tile configuration, grouped-query heads with fewer query rows than keys
+(decode, chunked prefill) and packed documents, and autotuning. Skipped without a GPU (they cannot run
+elsewhere); scripts/gpu_check.sh runs them with `pytest -m gpu`. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -31,23 +32,30 @@ PATTERNS = {
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def inputs(n: int, dtype: torch.dtype, head_dim: int, heads: int = 8, seed: int = 0):
+def inputs(n: int, dtype: torch.dtype, head_dim: int, heads: int = 8, seed: int = 0, kv_heads: int | None = None,
+           q_len: int | None = None):
+    """[q, k, v, grad_out]: q and grad_out (1, heads, q_len, D), k and v (1, kv_heads, n, D)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(1, heads, n, head_dim, generator=gen, device="cuda").to(dtype) for _ in range(4)]
+    rows = n if q_len is None else q_len
+    hkv = heads if kv_heads is None else kv_heads
+    shapes = [(1, heads, rows, head_dim), (1, hkv, n, head_dim), (1, hkv, n, head_dim), (1, heads, rows, head_dim)]
+    return [torch.randn(shape, generator=gen, device="cuda").to(dtype) for shape in shapes]
 
 
-def check(pattern, configs: dict, dtype: torch.dtype, head_dim: int, tol: float, heads: int = 8) -> None:
-    q, k, v, grad_out = inputs(pattern.seq_len, dtype, head_dim, heads)
+def check(pattern, configs: dict, dtype: torch.dtype, head_dim: int, tol: float, heads: int = 8,
+          kv_heads: int | None = None) -> None:
+    q, k, v, grad_out = inputs(pattern.seq_len, dtype, head_dim, heads, kv_heads=kv_heads, q_len=pattern.q_len)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    plan = launch.plan_with_configs(pattern, q, configs["fwd"], configs["dkdv"], configs["dq"])
+    plan = launch.plan_with_configs(pattern, q, configs["fwd"], configs["dkdv"], configs["dq"], k)
     out = launch.BlockSparseAttention.apply(q, k, v, plan)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*leaves, pattern)
     expected = torch.autograd.grad(ref, leaves, grad_out.double())
     for name, a, e in [("out", out, ref), *zip(("dq", "dk", "dv"), got, expected, strict=True)]:
+        assert a.shape == e.shape, (name, a.shape, e.shape)
         stats = compare(a, e, tol)
-        assert stats.passed, f"{pattern.label} {dtype} D={head_dim} {name}: rel_l2 {stats.rel_l2} > {tol}"
+        assert stats.passed, f"{pattern!r} {dtype} D={head_dim} {name}: rel_l2 {stats.rel_l2} > {tol}"
 
 
 FIRST = dict(fwd=launch.FWD_CONFIGS[0], dkdv=launch.DKDV_CONFIGS[0], dq=launch.DQ_CONFIGS[0])
@@ -59,6 +67,25 @@ FIRST = dict(fwd=launch.FWD_CONFIGS[0], dkdv=launch.DKDV_CONFIGS[0], dq=launch.D
 def test_compiled_kernels_match_oracle(pattern_name, dtype, head_dim):
     pattern = make_pattern(pattern_name, N, **PATTERNS[pattern_name])
     check(pattern, FIRST, dtype, head_dim, tolerance_for(DTYPE_NAMES[dtype]))
+
+
+# (pattern, fields, structure, kv_heads) with 8 query heads: formulas over rows offset to the last positions,
+# bitmasks for documents and neighbourhoods, decode (one query row), GQA and MQA.
+STRUCTURED = {
+    "causal_chunk": ("causal", {}, dict(q_len=1000), 2),
+    "sink_decode": ("sink", dict(window=512, global_tokens=4), dict(q_len=1), 1),
+    "prefix_lm_chunk": ("prefix_lm", dict(prefix=700), dict(q_len=1500), 4),
+    "causal_documents": ("causal", {}, dict(q_len=2000, documents=[1, 999, 1500, 1500]), 2),
+    "neighborhood": ("neighborhood", dict(window=7, image_width=80), {}, 2),
+    "block_random_chunk": ("block_random", dict(density=0.1, block_size=64, seed=1), dict(q_len=1000), 8),
+}
+
+
+@pytest.mark.parametrize("case", list(STRUCTURED))
+def test_compiled_kernels_with_query_rows_documents_and_kv_heads(case):
+    name, fields, structure, kv_heads = STRUCTURED[case]
+    pattern = make_pattern(name, N, **structure, **fields)
+    check(pattern, FIRST, torch.bfloat16, 128, tolerance_for("bfloat16"), kv_heads=kv_heads)
 
 
 def test_float32_goes_through_tf32_within_its_tolerance():

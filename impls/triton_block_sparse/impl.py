@@ -32,6 +32,8 @@ class TritonBlockSparse(Impl):
         if case.batch * case.heads > launch.MAX_GRID_Y:
             return f"{self.name} launches B*H programs on grid axis y, at most {launch.MAX_GRID_Y} " \
                    f"(got {case.batch * case.heads})"
+        # No limit on kv_heads, q_len, documents or custom patterns: programs read KV head h // G through the
+        # strides, the tables are of the q_len x seq_len matrix, and what has no exact formula gets bitmasks.
         if case.device == "cpu" and not launch.uses_interpreter():
             return (f"{self.name} runs compiled kernels on CUDA tensors in this process; for CPU tensors set "
                     "TRITON_INTERPRET=1 (the Triton interpreter: correctness only, not kernel speed)")

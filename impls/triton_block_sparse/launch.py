@@ -29,7 +29,7 @@ from impls.triton_block_sparse import tables as tbl
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs K >= 16; above 128 the tiles outgrow shared memory
-MAX_GRID_Y = 65535  # CUDA's limit on grid dimension y, which carries B * H
+MAX_GRID_Y = 65535  # CUDA's limit on grid dimension y, which carries B * H (B * Hkv for dK/dV)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class KernelPlan:
     def describe(self) -> dict[str, Any]:
         t = self.tables
         return {**asdict(self.config), "mask": self.mask.name, "tiles_full": t.n_full,
-                "tiles_partial": t.n_partial}
+                "tiles_partial": t.n_partial, "query_tiles": len(t.row_full), "key_tiles": len(t.col_full)}
 
 
 @dataclass
@@ -139,15 +139,25 @@ class Plan:
     dq: KernelPlan | None
     interpreter: bool
     tuning: dict[str, Any]  # per kernel: median ms per candidate, or why it failed
+    q_len: int | None = None  # the pattern's query rows and keys (q_len < seq_len: the last positions)
+    seq_len: int | None = None
+    kv_group: int = 1  # query heads per KV head (GQA), read from the inputs at the call
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"interpreter": self.interpreter, "fwd": self.fwd.describe()}
+        out: dict[str, Any] = {"interpreter": self.interpreter, "q_len": self.q_len, "seq_len": self.seq_len,
+                               "kv_group": self.kv_group, "fwd": self.fwd.describe()}
         if self.dkdv is not None and self.dq is not None:
             out["bwd_dkdv"] = self.dkdv.describe()
             out["bwd_dq"] = self.dq.describe()
         if self.tuning:
             out["autotune_ms"] = self.tuning
         return out
+
+
+def pattern_key(pattern) -> tuple:
+    """What a pattern's tables depend on: its class, its matrix (seq_len, q_len, documents) and every field."""
+    return (type(pattern), pattern.label, pattern.seq_len, pattern.q_len, pattern.documents,
+            tuple(sorted(pattern.field_values().items())))
 
 
 class _TableCache:
@@ -158,7 +168,7 @@ class _TableCache:
         self._entries: OrderedDict[tuple, tbl.TileTables] = OrderedDict()
 
     def get(self, pattern, config: TileConfig, with_bits: bool, base: int, device: torch.device) -> tbl.TileTables:
-        key = (pattern.label, pattern.seq_len, config.block_m, config.block_n, with_bits, str(device))
+        key = (pattern_key(pattern), config.block_m, config.block_n, with_bits, str(device))
         if key not in self._entries:
             view = pattern.block_sparse(base)
             self._entries[key] = tbl.build_tables(view, config.block_m, config.block_n, with_bits).to(device)
@@ -178,30 +188,40 @@ def kernel_plan(pattern, config: TileConfig, base: int, device: torch.device) ->
 
 
 def plan_with_configs(pattern, q: Tensor, fwd: TileConfig, dkdv: TileConfig | None = None,
-                      dq: TileConfig | None = None) -> Plan:
-    """A plan with the given tile configurations (no tuning); backward configs None for forward only."""
+                      dq: TileConfig | None = None, k: Tensor | None = None) -> Plan:
+    """A plan with the given tile configurations (no tuning); backward configs None for forward only.
+
+    q (B, H, q_len, D) gives the device; k (B, Hkv, N, D), when given, the GQA group recorded in `describe`.
+    """
     used = [c for c in (fwd, dkdv, dq) if c is not None]
     base = tbl.base_block([(c.block_m, c.block_n) for c in used])
     plans = [None if c is None else kernel_plan(pattern, c, base, q.device) for c in (dkdv, dq)]
-    return Plan(kernel_plan(pattern, fwd, base, q.device), plans[0], plans[1], _is_interpreted(kernels()), {})
+    return Plan(kernel_plan(pattern, fwd, base, q.device), plans[0], plans[1], _is_interpreted(kernels()), {},
+                **_shape_info(pattern, q, k))
+
+
+def _shape_info(pattern, q: Tensor, k: Tensor | None) -> dict[str, int]:
+    group = 1 if k is None else q.shape[1] // k.shape[1]
+    return {"q_len": pattern.q_len, "seq_len": pattern.seq_len, "kv_group": group}
 
 
 def plan_attention(pattern, q: Tensor, k: Tensor, v: Tensor, needs_grad: bool) -> Plan:
     """Tables, masks and (on a GPU) autotuned tile configurations for attention of q, k, v under `pattern`."""
     if _is_interpreted(kernels()):
         cfg = INTERPRETER_CONFIG
-        return plan_with_configs(pattern, q, cfg, cfg if needs_grad else None, cfg if needs_grad else None)
+        return plan_with_configs(pattern, q, cfg, cfg if needs_grad else None, cfg if needs_grad else None, k)
 
     device = q.device
     candidates = FWD_CONFIGS + (DKDV_CONFIGS + DQ_CONFIGS if needs_grad else ())
     base = tbl.base_block([(c.block_m, c.block_n) for c in candidates])
     tuning: dict[str, Any] = {}
-    shape_key = (pattern.label, pattern.seq_len, tuple(q.shape), str(q.dtype), str(device))
+    shape_key = (pattern_key(pattern), tuple(q.shape), tuple(k.shape), str(q.dtype), str(device))
+    info = _shape_info(pattern, q, k)
     with _on_device(q):
         fwd = _tune("fwd", FWD_CONFIGS, shape_key, tuning, pattern, base, device,
                     lambda plan: run_forward(q, k, v, plan))
         if not needs_grad:
-            return Plan(fwd, None, None, False, tuning)
+            return Plan(fwd, None, None, False, tuning, **info)
         o, lse = run_forward(q, k, v, fwd)
         gen = torch.Generator(device=device).manual_seed(0)
         do = torch.randn(o.shape, generator=gen, device=device, dtype=torch.float32).to(o.dtype)
@@ -210,7 +230,7 @@ def plan_attention(pattern, q: Tensor, k: Tensor, v: Tensor, needs_grad: bool) -
                      lambda plan: run_dkdv(q, k, v, do, lse, delta, plan))
         dq = _tune("bwd_dq", DQ_CONFIGS, shape_key, tuning, pattern, base, device,
                    lambda plan: run_dq(q, k, v, do, lse, delta, plan))
-    return Plan(fwd, dkdv, dq, False, tuning)
+    return Plan(fwd, dkdv, dq, False, tuning, **info)
 
 
 def _tune(kernel: str, configs: tuple[TileConfig, ...], shape_key: tuple, tuning: dict[str, Any], pattern,
@@ -273,61 +293,78 @@ def _on_device(t: Tensor):
 def _common(plan: KernelPlan, q: Tensor, interpreter_bf16: bool) -> dict[str, Any]:
     m, t, c = plan.mask, plan.tables, plan.config
     d = q.shape[-1]
-    return dict(band_lo=m.band_lo, band_hi=m.band_hi, dilation=m.dilation, n_global=m.global_tokens,
-                period=m.period, MASK_KIND=m.kind, HAS_DILATION=m.dilation > 1, HAS_GLOBAL=m.global_tokens > 0,
-                WORDS=t.words, BLOCK_M=c.block_m, BLOCK_N=c.block_n, D=d, HEAD_DIM=padded_head_dim(d),
-                DOT_F32=interpreter_bf16, num_warps=c.num_warps, num_stages=c.num_stages)
+    return dict(q_offset=m.q_offset, band_lo=m.band_lo, band_hi=m.band_hi, dilation=m.dilation,
+                global_rows=m.global_rows, global_cols=m.global_cols, global_lo=m.global_lo, period=m.period,
+                MASK_KIND=m.kind, HAS_DILATION=m.dilation > 1, HAS_GLOBAL=m.has_global, WORDS=t.words,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, D=d, HEAD_DIM=padded_head_dim(d), DOT_F32=interpreter_bf16,
+                num_warps=c.num_warps, num_stages=c.num_stages)
 
 
 def _dot_f32(q: Tensor) -> bool:
-    """bfloat16 in the interpreter multiplies in float32 (see kernels._mma)."""
+    """bfloat16 in the interpreter multiplies in float32 (see the DOT_F32 note in kernels.py)."""
     return q.dtype == torch.bfloat16 and _is_interpreted(kernels())
 
 
+def _shapes(q: Tensor, k: Tensor) -> tuple[int, int, int, int, int, int]:
+    """(B, H, Hkv, G, Nq, N) of q (B, H, Nq, D) and k (B, Hkv, N, D): query head h reads KV head h // G."""
+    b, h, nq, _ = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    if h % hkv:
+        raise ValueError(f"q has {h} heads and k {hkv}: grouped-query attention needs a multiple")
+    return b, h, hkv, h // hkv, nq, n
+
+
 def run_forward(q: Tensor, k: Tensor, v: Tensor, plan: KernelPlan) -> tuple[Tensor, Tensor]:
-    """(o (B, H, N, D) contiguous, lse (B*H, N) float32 base-2 log-sum-exp of the scaled scores)."""
-    b, h, n, d = q.shape
-    o = torch.empty((b, h, n, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b * h, n), dtype=torch.float32, device=q.device)
+    """(o (B, H, Nq, D) contiguous, lse (B*H, Nq) float32 base-2 log-sum-exp of the scaled scores)."""
+    b, h, _, group, nq, n = _shapes(q, k)
+    d = q.shape[-1]
+    o = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b * h, nq), dtype=torch.float32, device=q.device)
     t = plan.tables
-    grid = (math.ceil(n / plan.config.block_m), b * h)
+    grid = (math.ceil(nq / plan.config.block_m), b * h)
     kernels().attn_fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(),
                              t.row_offsets, t.row_full, t.row_cols, t.row_slots, t.mask_words,
-                             h, n, LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
+                             h, group, nq, n, LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
     return o, lse
 
 
 def run_preprocess(o: Tensor, do: Tensor) -> Tensor:
-    """delta = rowsum(o * do) in float32, (B*H, N); o and do contiguous (B, H, N, D)."""
-    b, h, n, d = o.shape
-    delta = torch.empty((b * h, n), dtype=torch.float32, device=o.device)
-    grid = (math.ceil(n / PREPROCESS_BLOCK), b * h)
-    kernels().attn_bwd_preprocess[grid](o, do, delta, n, BLOCK_M=PREPROCESS_BLOCK, D=d,
+    """delta = rowsum(o * do) in float32, (B*H, Nq); o and do contiguous (B, H, Nq, D)."""
+    b, h, nq, d = o.shape
+    delta = torch.empty((b * h, nq), dtype=torch.float32, device=o.device)
+    grid = (math.ceil(nq / PREPROCESS_BLOCK), b * h)
+    kernels().attn_bwd_preprocess[grid](o, do, delta, nq, BLOCK_M=PREPROCESS_BLOCK, D=d,
                                         HEAD_DIM=padded_head_dim(d))
     return delta
 
 
 def run_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
              plan: KernelPlan) -> tuple[Tensor, Tensor]:
-    b, h, n, d = q.shape
-    dk = torch.empty((b, h, n, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, h, n, d), dtype=v.dtype, device=v.device)
+    """dk, dv (B, Hkv, N, D) contiguous: each KV head's program sums over its G query heads."""
+    b, _, hkv, group, nq, n = _shapes(q, k)
+    d = q.shape[-1]
+    dk = torch.empty((b, hkv, n, d), dtype=k.dtype, device=k.device)
+    dv = torch.empty((b, hkv, n, d), dtype=v.dtype, device=v.device)
     t = plan.tables
-    grid = (math.ceil(n / plan.config.block_n), b * h)
+    grid = (math.ceil(n / plan.config.block_n), b * hkv)
     kernels().attn_bwd_dkdv[grid](q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                                   t.col_offsets, t.col_full, t.col_rows, t.col_slots, t.mask_words,
-                                  h, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
+                                  hkv, group, nq, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
+                                  **_common(plan, q, _dot_f32(q)))
     return dk, dv
 
 
 def run_dq(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, plan: KernelPlan) -> Tensor:
-    b, h, n, d = q.shape
-    dq = torch.empty((b, h, n, d), dtype=q.dtype, device=q.device)
+    """dq (B, H, Nq, D) contiguous."""
+    b, h, _, group, nq, n = _shapes(q, k)
+    d = q.shape[-1]
+    dq = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
     t = plan.tables
-    grid = (math.ceil(n / plan.config.block_m), b * h)
+    grid = (math.ceil(nq / plan.config.block_m), b * h)
     kernels().attn_bwd_dq[grid](q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                                 t.row_offsets, t.row_full, t.row_cols, t.row_slots, t.mask_words,
-                                h, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
+                                h, group, nq, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
+                                **_common(plan, q, _dot_f32(q)))
     return dq
 
 
@@ -336,6 +373,9 @@ class BlockSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> Tensor:
+        if plan.q_len is not None and (q.shape[2], k.shape[2]) != (plan.q_len, plan.seq_len):
+            raise ValueError(f"this plan is for {plan.q_len} query rows over {plan.seq_len} keys; got q "
+                             f"{tuple(q.shape)} and k {tuple(k.shape)}")
         with _on_device(q):
             o, lse = run_forward(q, k, v, plan.fwd)
         ctx.save_for_backward(q, k, v, o, lse)
