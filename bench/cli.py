@@ -26,7 +26,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from bench.listing import list_command
+    from bench.plugins import load_plugin
 
+    for spec in args.plugin or []:
+        load_plugin(spec, base_dir=Path.cwd(), file="--plugin", field=spec)
+    if args.suite:
+        from bench.suite import load_suite
+
+        load_suite(Path(args.suite))
     return list_command(args.what, make_console())
 
 
@@ -112,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="implementations, patterns or hardware, with availability")
     p.add_argument("what", nargs="?", choices=["impls", "patterns", "hardware"], default="impls")
+    p.add_argument("--plugin", action="append", metavar="MODULE|FILE.py",
+                   help="import this plugin first, to list what it registers (repeatable)")
+    p.add_argument("--suite", metavar="SUITE.yaml", help="import the plugins this suite names first")
     p.set_defaults(func=_cmd_list)
 
     p = sub.add_parser("compare", help="which cases got slower or faster between two runs or commits")

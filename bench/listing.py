@@ -23,11 +23,13 @@ def impls_table() -> Table:
 
 
 def patterns_table() -> Table:
-    table = Table(title="patterns (i = query, j = key)")
-    for column in ("name", "fields", "allowed(i, j)"):
+    table = Table(title="patterns (i = query position, j = key position)")
+    for column in ("name", "fields", "source", "allowed(i, j)"):
         table.add_column(column)
     for name, cls in PATTERNS.items():
-        table.add_row(name, ", ".join(cls.fields) or "-", escape(cls.description))
+        table.add_row(name, ", ".join(cls.fields) or "-", escape(cls.source), escape(cls.description))
+    table.caption = ("every pattern also takes q_len (the last q_len positions are the queries) and documents "
+                     "(packed documents: the pattern applies inside each, on positions relative to its start)")
     return table
 
 

@@ -150,13 +150,19 @@ def _measure_task(task: Task, cache: CaseCache, phase: Phase) -> Record:
         return finish(status="skipped", reason=reason, memory={
             "peak_bytes": model.total_bytes, "method": "model", "note": "modelled lower bound; the case was not run"})
 
-    cache.for_case(case)
-    pattern = cache.pattern
-    assert pattern is not None
-    base["density"] = pattern.density
-    base["block_density"] = pattern.block_density(case.block_size)
-    base["flops"] = flop_counts.useful_flops(case, pattern.nnz)
-    base["flops_dense"] = flop_counts.dense_flops(case)
+    current = "pattern"
+    try:
+        cache.for_case(case)
+        pattern = cache.pattern
+        assert pattern is not None
+        base["density"] = pattern.density
+        base["block_density"] = pattern.block_density(case.block_size)
+        base["flops"] = flop_counts.useful_flops(case, pattern.nnz)
+        base["flops_dense"] = flop_counts.dense_flops(case)
+    except Exception as exc:  # a custom pattern's predicate failing on this case: the record names it
+        cache.key = None
+        reason, details = describe_failure(current, exc)
+        return finish(status="failed", reason=reason, details=details)
 
     current = "inputs"
     try:

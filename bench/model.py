@@ -34,7 +34,7 @@ from bench.console import format_seconds
 from bench.env import git_info, versions
 from bench.errors import BadInput
 from bench.hardware import HardwareSpec, resolve
-from bench.memory_model import format_gib, tensor_bytes
+from bench.memory_model import format_gib, kv_tensor_bytes, tensor_bytes
 from bench.records import Record, RunInfo, SuiteInfo
 from bench.store import RECORDS, RUN_JSON, RecordWriter, create_run_dir, utc_now, write_json_atomic
 from bench.suite import load_suite
@@ -43,16 +43,21 @@ BOUNDS = ("bound_dense", "bound_block", "bound_sparse")
 
 
 def min_bytes(case: Case) -> int:
-    """Bytes any attention kernel must move at least: 4 (B, H, N, D) tensors forward, 12 in fwd_bwd."""
-    return (12 if case.mode == "fwd_bwd" else 4) * tensor_bytes(case)
+    """Bytes any attention kernel must move at least: q, k, v and the output forward (k and v at kv_heads);
+    in fwd_bwd also the upstream gradient, dq, dk, dv and a second read of q, k, v and the output."""
+    per_pass = 2 * tensor_bytes(case) + 2 * kv_tensor_bytes(case)
+    return (3 if case.mode == "fwd_bwd" else 1) * per_pass
 
 
-def block_pairs(layout: torch.Tensor, seq_len: int, block_size: int) -> int:
+def block_pairs(layout: torch.Tensor, seq_len: int, block_size: int, q_len: int | None = None) -> int:
     """(query, key) pairs inside the layout's kept blocks; the last block row/column may be short."""
-    nb = layout.shape[0]
-    sizes = torch.full((nb,), block_size, dtype=torch.float64)
-    sizes[-1] = seq_len - block_size * (nb - 1)
-    return int(sizes @ layout.to(torch.float64) @ sizes)
+    rows = seq_len if q_len is None else q_len
+    nqb, nkb = layout.shape
+    row_sizes = torch.full((nqb,), block_size, dtype=torch.float64)
+    row_sizes[-1] = rows - block_size * (nqb - 1)
+    col_sizes = torch.full((nkb,), block_size, dtype=torch.float64)
+    col_sizes[-1] = seq_len - block_size * (nkb - 1)
+    return int(row_sizes @ layout.to(torch.float64) @ col_sizes)
 
 
 def bound(case: Case, pairs: int, spec: HardwareSpec) -> dict[str, Any]:
@@ -85,7 +90,8 @@ def model_records(case: Case, case_id: str, spec: HardwareSpec) -> list[Record]:
         return [Record(**base, impl=name, status="skipped", reason=reason, memory=memory) for name in BOUNDS]
     pattern = case.make_pattern()
     layout = pattern.block_layout(case.block_size)
-    pairs = {"bound_dense": case.seq_len**2, "bound_block": block_pairs(layout, case.seq_len, case.block_size),
+    pairs = {"bound_dense": case.n_queries * case.seq_len,
+             "bound_block": block_pairs(layout, case.seq_len, case.block_size, case.n_queries),
              "bound_sparse": pattern.nnz}
     base.update(density=pattern.density, block_density=float(layout.sum()) / layout.numel(),
                 flops_dense=flop_counts.dense_flops(case))

@@ -84,13 +84,14 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
             out["setup_s"] = time.perf_counter() - t0
             out["config"] = impl.record_extras() or {}
             shards = [impl.shard(case, r) for r in range(ctx.world_size)]
+            kv_shards = [impl.kv_shard(case, r) for r in range(ctx.world_size)]
             held = _held_output(result, shards[ctx.rank], case)  # raises on a wrong shape
 
             current = "check"
             phase(current)
             with comm.paused():
-                out["error"], out["problem"] = _check(case, impl, pattern, ctx, shards, q, k, v, result, held,
-                                                      grad_out, full=task.measure["check"])
+                out["error"], out["problem"] = _check(case, impl, pattern, ctx, (shards, kv_shards), q, k, v,
+                                                      result, held, grad_out, full=task.measure["check"])
             del result, held
             step = _timed_step(fn, q, k, v, grad_out, shards[ctx.rank], case)
 
@@ -146,7 +147,7 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 def _held_output(result: Any, shard: Shard, case: Case) -> Tensor:
     """The rank's shard of the output, from a call that returned the full output or the shard."""
-    full = (case.batch, case.heads, case.seq_len, case.head_dim)
+    full = case.q_shape()
     if isinstance(result, Tensor) and tuple(result.shape) == shard.shape(full):
         return result
     if isinstance(result, Tensor) and tuple(result.shape) == full:
@@ -230,25 +231,27 @@ def _gather_to_rank0(local: Tensor, shards: list[Shard], full: tuple[int, ...], 
     return whole
 
 
-def _check(case: Case, impl: registry.Impl, pattern: Any, ctx: RankContext, shards: list[Shard], q: Tensor,
-           k: Tensor, v: Tensor, result: Tensor, held: Tensor, grad_out: Tensor | None,
-           full: bool) -> tuple[dict[str, Any] | None, str | None]:
-    """Gather the output (and owned gradients) to rank 0 and compare with the oracle there."""
-    shape = tuple(q.shape)
-    whole = _gather_to_rank0(held, shards, shape, ctx)
-    rows = rows_to_check(case.batch, case.heads, case.seq_len, seed=case.seed)
+def _check(case: Case, impl: registry.Impl, pattern: Any, ctx: RankContext,
+           shards: tuple[list[Shard], list[Shard]], q: Tensor, k: Tensor, v: Tensor, result: Tensor, held: Tensor,
+           grad_out: Tensor | None, full: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """Gather the output (and owned gradients) to rank 0 and compare with the oracle there.
+
+    `shards`: every rank's part of q and the output, and of k and v.
+    """
+    q_shards, kv_shards = shards
+    whole = _gather_to_rank0(held, q_shards, tuple(q.shape), ctx)
+    rows = rows_to_check(case.batch, case.heads, case.seq_len, seed=case.seed, q_len=case.n_queries)
     tol = tolerance_for(case.dtype, impl.tf32(case))
     grads_whole: list[Tensor | None] = []
     if grad_out is not None and full:
-        row_mask = torch.zeros(case.seq_len, dtype=torch.bool, device=q.device)
+        row_mask = torch.zeros(case.n_queries, dtype=torch.bool, device=q.device)
         row_mask[rows.to(q.device)] = True
         g = grad_out * row_mask[:, None].to(grad_out.dtype)  # upstream gradient only on the checked rows
-        got = torch.autograd.grad(result, (q, k, v), _upstream_for(result, g, shards[ctx.rank]),
+        got = torch.autograd.grad(result, (q, k, v), _upstream_for(result, g, q_shards[ctx.rank]),
                                   allow_unused=True)
-        mine = shards[ctx.rank]
-        for leaf, grad in zip((q, k, v), got, strict=True):
-            owned = mine.take(torch.zeros_like(leaf) if grad is None else grad)
-            grads_whole.append(_gather_to_rank0(owned, shards, shape, ctx))
+        for leaf, grad, parts in zip((q, k, v), got, (q_shards, kv_shards, kv_shards), strict=True):
+            owned = parts[ctx.rank].take(torch.zeros_like(leaf) if grad is None else grad)
+            grads_whole.append(_gather_to_rank0(owned, parts, tuple(leaf.shape), ctx))
     if ctx.rank != 0:
         return None, None
     assert whole is not None

@@ -1,8 +1,10 @@
 """How a distributed implementation splits a case over ranks, which is how the harness checks it.
 
-Every rank receives the same full, seeded q, k, v (B, H, N, D); the implementation takes the part it owns in
-`prepare` (untimed). `shard(case, rank)` names that part: a range of heads (dim 1, tensor parallelism) or of
-the sequence (dim 2, context parallelism). The timed call returns either the full output (every rank holds
+Every rank receives the same full, seeded q (B, H, q_len, D) and k, v (B, Hkv, N, D); the implementation
+takes the part it owns in `prepare` (untimed). `shard(case, rank)` names that part of q and of the output: a
+range of heads (dim 1, tensor parallelism) or of the sequence (dim 2, context parallelism); `kv_shard(case,
+rank)` the part of k and v (with grouped-query attention a head split gives each rank its query heads' KV
+heads). The timed call returns either the full output (every rank holds
 it, as after tensor parallelism's all-reduce) or the rank's shard of it. In fwd_bwd each rank backpropagates
 the upstream gradient of what it returned; afterwards the gradients of q, k and v are complete on the part
 the rank owns. Outside the timed region the harness gathers the owned parts and checks them, and the output,
@@ -64,8 +66,21 @@ class DistributedImpl(Impl):
         if total % case.world_size:
             return (f"{self.name} splits {field} into world_size equal parts: {field} {total} is not divisible "
                     f"by world_size {case.world_size}")
+        if self.split_dim == 1 and case.n_kv_heads % case.world_size:
+            return (f"{self.name} gives each rank its query heads' KV heads: kv_heads {case.n_kv_heads} is not "
+                    f"divisible by world_size {case.world_size}")
+        if self.split_dim == 2 and case.n_queries != case.seq_len:
+            return (f"{self.name} splits queries and keys alike along the sequence; q_len {case.n_queries} < "
+                    f"seq_len {case.seq_len} (decode, chunked prefill) is not supported")
         return None
 
     def shard(self, case: Case, rank: int) -> Shard:
+        """This rank's part of q and of the output."""
         total = getattr(case, SPLIT_FIELDS[self.split_dim])
         return Shard(self.split_dim, *even_split(total, case.world_size, rank))
+
+    def kv_shard(self, case: Case, rank: int) -> Shard:
+        """This rank's part of k and v: its query heads' KV heads, or the same positions as its queries."""
+        if self.split_dim == 1:
+            return Shard(1, *even_split(case.n_kv_heads, case.world_size, rank))
+        return self.shard(case, rank)

@@ -140,7 +140,9 @@ def _show(value: Any) -> str:
 
 def _explain(err: dict[str, Any]) -> tuple[str, str]:
     """A pydantic error -> (field path, 'got X; what is allowed')."""
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function"))))
+    # Union members ("constrained-int", "list[constrained-int]") and validator names are not field names.
+    loc = tuple(p for p in err["loc"]
+                if not (isinstance(p, str) and ("[" in p or "-" in p or p.startswith("function"))))
     path = field_path(loc)
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -187,6 +189,10 @@ def parse_suite(data: Any, *, file: str = "<suite>", base_dir: Path | None = Non
         model = SuiteModel.model_validate(data)
     except ValidationError as exc:
         errors = [_explain(e) for e in exc.errors()]
+        # Of a union's alternatives, keep the one that got furthest: `documents[1]: got 0` over
+        # `documents: not an integer` for a list of lengths with a zero in it.
+        errors = [(path, msg) for path, msg in errors
+                  if not any(other.startswith((path + "[", path + ".")) for other, _ in errors)] or errors
         first_path, first_msg = errors[0]
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         raise BadInput(first_msg + more, file=file, field=first_path) from None
@@ -274,7 +280,7 @@ def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
             pattern.probe()  # a custom predicate that raises or returns no bool fails here, not mid-run
     except PatternError as exc:
         name = exc.field or "pattern"
-        message = exc.message
+        message = exc.message if exc.field else f"pattern {exc.pattern}: {exc.message}"
         if case.pattern not in message:
             message += f" (pattern {case.pattern})"
         raise bad(message, name) from None

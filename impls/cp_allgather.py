@@ -26,21 +26,21 @@ class AllGatherContextParallel(DistributedImpl):
         comm = communicator_for(case)
         shard = self.shard(case, comm.rank)
         q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
-        b, h, n, d = q.shape
+        b, hkv, n, d = k.shape
         rows = torch.arange(shard.start, shard.stop)
-        mask = pattern.allowed(rows[:, None], torch.arange(n)[None, :]).to(q.device)  # (C, N)
+        mask = pattern.mask(rows[:, None], torch.arange(n)[None, :]).to(q.device)  # (C, N)
 
         def call():
             gathered = all_gather(torch.stack((k_r, v_r)))  # (P, 2, B, H, C, D)
-            kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, n, d)  # chunks in sequence order
+            kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, n, d)  # chunks in sequence order
             return attend(q_r, kv[0], kv[1], mask)
 
         return call
 
     def expected_comm_bytes(self, case):
-        """All-gather of K/V: each rank sends its chunk (C = N/P rows of 2*B*H*D*e bytes) to P-1 ranks.
+        """All-gather of K/V: each rank sends its chunk (C = N/P rows of 2*B*Hkv*D*e bytes) to P-1 ranks.
 
-        fwd: P * (P-1) * C * 2*B*H*D*e = 2 (P-1) * B*H*N*D*e. fwd_bwd: twice that (the reduce-scatter of
+        fwd: P * (P-1) * C * 2*B*H*D*e = 2 (P-1) * B*Hkv*N*D*e. fwd_bwd: twice that (the reduce-scatter of
         dK/dV moves as much). Checkpoint: None (measured only). The pattern does not appear.
         """
         if case.checkpoint:

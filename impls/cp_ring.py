@@ -30,14 +30,14 @@ class RingContextParallel(DistributedImpl):
         comm = communicator_for(case)
         p, r = comm.world_size, comm.rank
         shard = self.shard(case, r)
-        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D), views of the inputs
+        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D), views
         c = shard.stop - shard.start
         rows = torch.arange(shard.start, shard.stop)
         masks: list[torch.Tensor | None] = []
         for step in range(p):
             src = (r - step) % p
             cols = torch.arange(src * c, (src + 1) * c)
-            mask = pattern.allowed(rows[:, None], cols[None, :])  # (C, C)
+            mask = pattern.mask(rows[:, None], cols[None, :])  # (C, C)
             masks.append(mask.to(q.device) if bool(mask.any()) else None)
 
         def call():
@@ -58,9 +58,9 @@ class RingContextParallel(DistributedImpl):
         return call
 
     def expected_comm_bytes(self, case):
-        """Every rank sends its current K/V chunk (C = N/P rows of 2*B*H*D*e bytes) P-1 times.
+        """Every rank sends its current K/V chunk (C = N/P rows of 2*B*Hkv*D*e bytes) P-1 times.
 
-        fwd: P * (P-1) * C * 2*B*H*D*e = 2 (P-1) * B*H*N*D*e. fwd_bwd: twice that (dK/dV go back round the
+        fwd: P * (P-1) * C * 2*B*H*D*e = 2 (P-1) * B*Hkv*N*D*e. fwd_bwd: twice that (dK/dV go back round the
         ring). Checkpoint: None (recomputation re-runs shifts; measured only). The pattern does not appear.
         """
         if case.checkpoint:

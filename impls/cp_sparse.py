@@ -56,7 +56,7 @@ class SparseContextParallel(DistributedImpl):
         send_index = torch.cat(send_rows).to(q.device)
         keys = torch.cat((torch.arange(shard.start, shard.stop), needed[r]))  # own chunk, then fetched
         rows = torch.arange(shard.start, shard.stop)
-        mask = pattern.allowed(rows[:, None], keys[None, :]).to(q.device)  # (C, C + fetched)
+        mask = pattern.mask(rows[:, None], keys[None, :]).to(q.device)  # (C, C + fetched)
 
         def call():
             local = torch.stack((k_r, v_r)).permute(3, 0, 1, 2, 4)  # (C, 2, B, H, D): positions first
@@ -67,7 +67,7 @@ class SparseContextParallel(DistributedImpl):
         return call
 
     def expected_comm_bytes(self, case):
-        """Sum over ranks r of the positions r fetches, times 2*B*H*D*e bytes (K and V):
+        """Sum over ranks r of the positions r fetches, times 2*B*Hkv*D*e bytes (K and V of the KV heads):
 
             sum_r |{ j not in chunk r : layout[qb, j // bs] for some query block qb overlapping chunk r }|
 

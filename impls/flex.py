@@ -54,11 +54,39 @@ def tensor_fields(pattern, device: torch.device):
     return pattern.with_tensor_fields(device)
 
 
-def block_mask_for(pattern, block_size: int, device: torch.device):
+def tabulated_mask_mod(pattern, block_size: int, device: torch.device):
+    """A mask_mod that looks pairs up in the pattern's block-sparse view instead of evaluating its predicate.
+
+    The same matrix as the predicate (full blocks, and the bitmask of each partial block), for predicates
+    whose compiled code Inductor cannot build (see `Flex.prepare`).
+    """
+    sparse = pattern.block_sparse(block_size)
+    nqb, nkb = sparse.num_blocks, math.ceil(pattern.seq_len / block_size)
+    slot = torch.full((nqb, nkb), -1, dtype=torch.int64)
+    full = torch.zeros(nqb, nkb, dtype=torch.bool)
+    used = torch.arange(sparse.kv_indices.shape[1])[None, :] < sparse.kv_counts[:, None].to(torch.int64)
+    rows = torch.arange(nqb)[:, None].expand_as(sparse.kv_indices)[used]
+    cols = sparse.kv_indices[used].to(torch.int64)
+    full[rows, cols] = sparse.full[used]
+    slot[rows, cols] = sparse.mask_index[used].to(torch.int64)
+    slot, full, masks = slot.to(device), full.to(device), sparse.masks.to(device)  # masks (P, bs, bs)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qb = (q_idx // block_size).clamp(0, nqb - 1)  # FlexAttention also asks about padding
+        kb = (kv_idx // block_size).clamp(0, nkb - 1)
+        s = slot[qb, kb]
+        inside = masks[s.clamp(min=0), q_idx % block_size, kv_idx % block_size]
+        return full[qb, kb] | ((s >= 0) & inside)
+
+    return mask_mod
+
+
+def block_mask_for(pattern, block_size: int, device: torch.device, tabulated: bool = False):
     """FlexAttention BlockMask of `pattern`: partial and full key blocks per query block, and mask_mod.
 
     Over the pattern's q_len x seq_len matrix (its query rows are the last q_len positions, which the
     mask_mod's q_idx counts from 0, as FlexAttention passes them); documents are part of the predicate.
+    `tabulated`: the mask_mod looks pairs up in the block view (`tabulated_mask_mod`).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -80,10 +108,13 @@ def block_mask_for(pattern, block_size: int, device: torch.device):
 
     partial_counts, partial_indices = compact(used & ~sparse.full)
     full_counts, full_indices = compact(used & sparse.full)
-    params = tensor_fields(pattern, device)
+    if tabulated:
+        mask_mod = tabulated_mask_mod(pattern, block_size, device)
+    else:
+        params = tensor_fields(pattern, device)
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return params._matrix(q_idx, kv_idx)
+        def mask_mod(b, h, q_idx, kv_idx):
+            return params._matrix(q_idx, kv_idx)
 
     return BlockMask.from_kv_blocks(partial_counts, partial_indices, full_counts, full_indices,
                                     BLOCK_SIZE=block_size, mask_mod=mask_mod,
@@ -110,12 +141,33 @@ class Flex(Impl):
         return reason
 
     def prepare(self, case, pattern, q, k, v):
+        from torch._inductor.exc import InductorError
+
         block_mask = block_mask_for(pattern, case.block_size, q.device)
         flex = compiled_flex()
         scale = softmax_scale(case.head_dim)
         gqa = k.shape[1] != q.shape[1]  # FlexAttention's native grouped-query attention: no K/V copies
-        self._extras = {"block_size": case.block_size, "compiled": "torch.compile(dynamic=True)"}
-        return lambda: flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        self._extras = {"block_size": case.block_size, "compiled": "torch.compile(dynamic=True)",
+                        "mask_mod": "predicate"}
+        state = {"mask": block_mask, "compiled_once": False}
+
+        def call():
+            if state["compiled_once"]:
+                return flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
+            try:
+                out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
+            except InductorError as exc:
+                # Inductor's CPU flex template cannot compile some predicates (torch 2.13 emits undeclared
+                # variables for several of attention-gym's mask_mods): the same matrix looked up in the
+                # block view compiles. The record says which mask_mod ran and why.
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                self._extras["mask_mod"] = f"tabulated (the predicate did not compile: {first})"
+                state["mask"] = block_mask_for(pattern, case.block_size, q.device, tabulated=True)
+                out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
+            state["compiled_once"] = True
+            return out
+
+        return call
 
     def record_extras(self) -> dict[str, object]:
         return dict(self._extras)

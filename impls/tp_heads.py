@@ -29,14 +29,14 @@ class TensorParallelHeads(DistributedImpl):
 
     def prepare(self, case, pattern, q, k, v):
         comm = communicator_for(case)
-        shard = self.shard(case, comm.rank)
+        shard, kv_shard = self.shard(case, comm.rank), self.kv_shard(case, comm.rank)
         heads = case.heads
         mask = pattern.dense_mask().to(q.device)  # (N, N)
 
         def call():
-            # Megatron's f: identity forward; backward all-reduces dq, dk, dv (one call, 3 B N H D elements).
+            # Megatron's f: identity forward; backward all-reduces dq, dk, dv (one call).
             q_all, k_all, v_all = copy_to_ranks(q, k, v)
-            local = attend(shard.take(q_all), shard.take(k_all), shard.take(v_all), mask)  # (B, H/P, N, D)
+            local = attend(shard.take(q_all), kv_shard.take(k_all), kv_shard.take(v_all), mask)  # (B, H/P, Nq, D)
             # Row-parallel output with an identity weight: this rank's heads in place, zeros elsewhere.
             partial = F.pad(local, (0, 0, 0, 0, shard.start, heads - shard.stop))  # (B, H, N, D)
             return reduce_from_ranks(partial)  # Megatron's g: one all-reduce of B N H D elements
@@ -44,15 +44,16 @@ class TensorParallelHeads(DistributedImpl):
         return call
 
     def expected_comm_bytes(self, case):
-        """Ring all-reduce of S = B*N*H*D*e bytes sends 2(P-1)/P*S per rank, 2(P-1)*S in all.
+        """Ring all-reduce of S bytes sends 2(P-1)/P*S per rank, 2(P-1)*S in all.
 
-        fwd: 2(P-1)*S (the output all-reduce). fwd_bwd: plus 2(P-1)*3S (dq, dk, dv all-reduced together),
-        8(P-1)*S in all. With checkpoint the recomputation re-runs some collectives: None (measured only).
-        The pattern does not appear.
+        fwd: 2(P-1)*S_q with S_q = B*q_len*H*D*e (the output all-reduce). fwd_bwd: plus 2(P-1)*(S_q + 2 S_kv),
+        S_kv = B*N*Hkv*D*e (dq, dk, dv all-reduced together). With checkpoint the recomputation re-runs some
+        collectives: None (measured only). The pattern does not appear.
         """
         if case.checkpoint:
             return None
         p = case.world_size
-        s = case.batch * case.seq_len * case.heads * case.head_dim * elem_bytes(case)
-        forward = 2 * (p - 1) * s
-        return forward if case.mode == "fwd" else forward + 2 * (p - 1) * 3 * s
+        s_q = case.batch * case.n_queries * case.heads * case.head_dim * elem_bytes(case)
+        s_kv = case.batch * case.seq_len * case.n_kv_heads * case.head_dim * elem_bytes(case)
+        forward = 2 * (p - 1) * s_q
+        return forward if case.mode == "fwd" else forward + 2 * (p - 1) * (s_q + 2 * s_kv)

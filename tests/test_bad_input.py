@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from tests.conftest import run_bench, write_suite
+from tests.conftest import PLUGINS, only_run_dir, read_jsonl, run_bench, write_suite
 
 GOOD = {"name": "ok", "impls": ["dense"], "defaults": {"heads": 2, "head_dim": 16},
         "sweep": {"seq_len": [64, 128]}, "measure": {"repeat": 3}}
@@ -55,6 +55,23 @@ CASES = {
     "missing_plugin": (with_changes(plugins=["nothere.py"]), ["plugins[0]", "'nothere.py'", "no such file"]),
     "checkpoint_without_backward": (with_changes(defaults__checkpoint=True),
                                     ["checkpoint", "mode fwd_bwd"]),
+    "misspelled_field": (with_changes(defaults__kv_head=1), ["defaults.kv_head", "unknown key",
+                                                             "did you mean 'kv_heads'?"]),
+    "kv_heads_not_dividing": (with_changes(defaults__heads=6, defaults__kv_heads=4),
+                              ["defaults.kv_heads", "got 4 with heads 6", "allowed kv_heads [1, 2, 3, 6]"]),
+    "q_len_past_seq_len": (with_changes(defaults__q_len=100),
+                           ["defaults.q_len", "got 100; allowed: 1 to seq_len (64)"]),
+    "documents_not_summing": (with_changes(defaults__documents=[30, 30]),
+                              ["defaults.documents", "lengths [30, 30] sum to 60; they must sum to seq_len (64)"]),
+    "documents_zero": (with_changes(defaults__documents=[64, 0]), ["defaults.documents[1]", "got 0"]),
+    "window_larger_than_image": (with_changes(defaults__pattern="neighborhood", defaults__image_width=8,
+                                              defaults__window=9),
+                                 ["defaults.window", "got 9; the kernel may not be larger than the image (8 rows x 8 "
+                                  "columns): allowed odd sizes up to 8"]),
+    "neighborhood_even_kernel": (with_changes(defaults__pattern="neighborhood", defaults__image_width=8,
+                                              defaults__window=4), ["defaults.window", "must be odd"]),
+    "neighborhood_without_width": (with_changes(defaults__pattern="neighborhood", defaults__window=3),
+                                   ["image_width: not set", "set defaults.image_width or sweep it"]),
 }
 
 
@@ -117,3 +134,39 @@ def test_case_ids_are_stable(tmp_path):
     assert first == second
     assert first[0] == "local_w64-n64-b1h2d16-fp32-fwd-" + first[0].rsplit("-", 1)[1]
     assert len(set(first)) == len(first)
+
+
+@pytest.mark.parametrize("which, expected", [
+    ("clash", ["plugins[0]", "pattern name 'causal' is already registered (built-in)"]),
+    ("raises", ["defaults.pattern", "pattern bad_raises: the predicate (plugin bad_patterns.py) raised "
+                "RuntimeError: ZeroDivisionError"]),
+    ("not_bool", ["defaults.pattern", "returned a torch.int64 tensor; it must return a bool tensor"]),
+])
+def test_bad_custom_patterns_exit_2_at_load(which, expected, tmp_path):
+    (tmp_path / "bad_patterns.py").write_text((PLUGINS / "bad_patterns.py").read_text())
+    pattern = {"clash": "causal", "raises": "bad_raises", "not_bool": "bad_not_bool"}[which]
+    path = write_suite(tmp_path, with_changes(plugins=["bad_patterns.py"], defaults__pattern=pattern))
+    proc = run_bench("run", str(path), "--out", str(tmp_path / "results"), env={"BENCH_TEST_BAD_PATTERN": which})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert str(path) in proc.stderr and "Traceback" not in proc.stderr
+    for fragment in expected:
+        assert fragment in proc.stderr, f"{fragment!r} not in {proc.stderr!r}"
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_pattern_failing_mid_run_gives_failed_records_naming_it(tmp_path):
+    """A mask_mod that passes the load-time probe but raises on real blocks: every record failed, naming the
+    pattern, the healthy built-in case after it still measured, exit 1."""
+    (tmp_path / "bad_patterns.py").write_text((PLUGINS / "bad_patterns.py").read_text())
+    path = write_suite(tmp_path, {"name": "late", "impls": ["dense", "sdpa"], "plugins": ["bad_patterns.py"],
+                                  "defaults": {"heads": 2, "head_dim": 16, "seq_len": 64},
+                                  "sweep": {"pattern": ["bad_late", "causal"]}, "measure": {"repeat": 3}})
+    proc = run_bench("run", str(path), "--out", str(tmp_path / "results"), env={"BENCH_TEST_BAD_PATTERN": "late"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
+    late = [r for r in records if r["params"]["pattern"] == "bad_late"]
+    assert len(late) == 2 and all(r["status"] == "failed" for r in late)
+    assert all("pattern bad_late: the predicate (plugin bad_patterns.py) raised RuntimeError: planted failure"
+               in r["reason"] for r in late), [r["reason"] for r in late]
+    assert all(r["status"] == "ok" for r in records if r["params"]["pattern"] == "causal")

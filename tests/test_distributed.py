@@ -29,10 +29,10 @@ PATTERNS = {"local": {"window": 16}, "causal_local": {"window": 24},
 IMPLS = ["tp_heads", "cp_ring", "cp_allgather", "cp_sparse"]
 
 
-def fetched_rows_by_rank(pattern: str, p: int) -> list[int]:
+def fetched_rows_by_rank(pattern: str, p: int, **structure) -> list[int]:
     """cp_sparse, derived from the dense mask: per rank, the positions of other ranks' key blocks (of BS)
     that hold any pair allowed to one of its queries."""
-    mask = make_pattern(pattern, N, **PATTERNS[pattern]).dense_mask()
+    mask = make_pattern(pattern, N, **PATTERNS[pattern], **structure).dense_mask()
     c = N // p
     rows = []
     for r in range(p):
@@ -162,6 +162,44 @@ def test_cp_sparse_saves_what_the_pattern_allows():
         assert ratio == 2 * (p - 1) * 64 / ((p - 1) * 4096)  # halo of one 64-block per side vs all of K/V
         dense_case = Case(heads=8, seq_len=4096, pattern="block_random", density=0.5, world_size=p, device="cpu")
         assert tp.expected_comm_bytes(case) == tp.expected_comm_bytes(dense_case)
+
+
+def test_grouped_query_attention_and_documents_over_ranks(tmp_path):
+    """kv_heads < heads and packed documents, P = 2, ranks started by the runner: every record ok against the
+    oracle (dq, dk, dv included), K/V bytes at kv_heads; what cannot be split says why."""
+    kv_heads, documents = 2, [40, 88]
+    suite = write_suite(tmp_path, {
+        "name": "gqa_ranks", "impls": IMPLS,
+        "defaults": {"batch": B, "heads": H, "kv_heads": kv_heads, "head_dim": D, "seq_len": N, "block_size": BS,
+                     "pattern": "local", "window": 16, "documents": documents, "device": "cpu", "world_size": 2},
+        "sweeps": [{"sweep": {"mode": ["fwd", "fwd_bwd"]}},
+                   {"defaults": {"kv_heads": 1, "q_len": 64}, "sweep": {}}],
+        "measure": {"warmup": 1, "repeat": 2, "max_time_s": 0.01, "timeout_s": 120}})
+    proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
+    kv_row = 2 * B * kv_heads * D * E
+    for r in records:
+        impl, mode = r["impl"], r["params"]["mode"]
+        if r["params"]["kv_heads"] == 1:
+            assert r["status"] == "skipped", r
+            expected = ("kv_heads 1 is not divisible by world_size 2" if impl == "tp_heads"
+                        else "q_len 64 < seq_len 128 (decode, chunked prefill) is not supported")
+            assert expected in r["reason"], r["reason"]
+            continue
+        assert r["status"] == "ok", (impl, mode, r["reason"], r["details"])
+        if mode == "fwd_bwd":
+            assert set(r["error"]["grads"]) == {"dq", "dk", "dv"}
+        factor = 1 if mode == "fwd" else 2
+        if impl == "tp_heads":  # output all-reduce at H heads; backward: dq (H) + dk, dv (Hkv)
+            s_q, s_kv = B * N * H * D * E, B * N * kv_heads * D * E
+            closed = 2 * (2 - 1) * (s_q if mode == "fwd" else 2 * s_q + 2 * s_kv)
+        elif impl == "cp_sparse":
+            closed = sum(fetched_rows_by_rank("local", 2, documents=documents)) * kv_row * factor
+        else:  # cp_ring, cp_allgather: every chunk of K/V at kv_heads reaches the other rank
+            closed = 2 * 1 * (N // 2) * kv_row * factor
+        assert r["comm"]["bytes_total"] == r["comm"]["expected_bytes"] == closed, (impl, mode)
+    assert len(records) == len(IMPLS) * 3
 
 
 # --- the runner's own rank processes, with planted faults -------------------------------------------------
