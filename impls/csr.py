@@ -11,8 +11,11 @@ gradients, every product at the pattern's pairs only):
 dV = P^T dO, dP = (dO V^T) sampled at the pattern, dS = P * (dP - rowsum(dO * O)), dQ = dS K, dK = dS^T Q.
 The transposed pattern (for P^T and dS^T) is a fixed permutation of the CSR values, found in prepare.
 
-Heads are independent steps sharing the pattern's index arrays (stored once); on CPU they run side by
-side on threads (`impls.common.run_steps`), so the transient memory is a few heads' nnz values.
+The matrix is the pattern's q_len x seq_len one (decode, chunked prefill: the last q_len positions are the
+queries), its transpose seq_len x q_len. Query heads are independent steps sharing the pattern's index
+arrays (stored once); on CPU they run side by side on threads (`impls.common.run_steps`), so the transient
+memory is a few heads' nnz values. With grouped-query attention each query head reads its KV head's K and
+V (h // G, views: never repeated), and the G heads of a KV head add their dK and dV into it in head order.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch import Tensor
 
 from bench.registry import Impl, register
-from impls.common import accum_dtype, fold_heads, run_steps, softmax_scale, unfold_heads
+from impls.common import InOrder, accum_dtype, run_steps, softmax_scale
 
 # Torch warns once per process that CSR support is beta; the conformance tests are what we rely on.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -33,14 +36,15 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta"
 
 @dataclass(frozen=True)
 class CsrLayout:
-    """The pattern's CSR index arrays and their transpose, shared by every head."""
+    """The pattern's CSR index arrays, of the (q_len, N) matrix, and their transpose, shared by every head."""
 
-    n: int
-    crow: Tensor  # int64 (N+1,)
+    rows: int  # q_len
+    cols: int  # N
+    crow: Tensor  # int64 (q_len+1,)
     col: Tensor  # int64 (nnz,)
-    row_lengths: Tensor  # int64 (N,) allowed keys per query row
+    row_lengths: Tensor  # int64 (q_len,) allowed keys per query row
     row: Tensor  # int64 (nnz,) the query row of each entry
-    t_crow: Tensor  # int64 (N+1,) CSR of the transposed pattern
+    t_crow: Tensor  # int64 (N+1,) CSR of the transposed pattern, (N, q_len)
     t_col: Tensor  # int64 (nnz,)
     t_perm: Tensor  # int64 (nnz,): values of the transpose = values[t_perm]
 
@@ -49,60 +53,62 @@ class CsrLayout:
         return self.col.numel()
 
     @classmethod
-    def of(cls, crow: Tensor, col: Tensor, n: int, device: torch.device) -> CsrLayout:
+    def of(cls, crow: Tensor, col: Tensor, rows: int, cols: int, device: torch.device) -> CsrLayout:
         lengths = crow.diff()
-        row = torch.repeat_interleave(torch.arange(n), lengths)
+        row = torch.repeat_interleave(torch.arange(rows), lengths)
         # Stable sort by column keeps rows increasing inside each column: a valid CSR of the transpose.
         t_perm = torch.sort(col, stable=True).indices
-        t_crow = torch.zeros(n + 1, dtype=torch.int64)
-        t_crow[1:] = torch.cumsum(torch.bincount(col, minlength=n), 0)
+        t_crow = torch.zeros(cols + 1, dtype=torch.int64)
+        t_crow[1:] = torch.cumsum(torch.bincount(col, minlength=cols), 0)
         tensors = (crow, col, lengths, row, t_crow, row[t_perm], t_perm)
-        return cls(n, *(t.to(device=device, dtype=torch.int64) for t in tensors))
+        return cls(rows, cols, *(t.to(device=device, dtype=torch.int64) for t in tensors))
 
     def matrix(self, values: Tensor, transposed: bool = False) -> Tensor:
-        """The (N, N) CSR matrix holding `values` (nnz,) at the pattern's (or its transpose's) pairs."""
-        crow, col = (self.t_crow, self.t_col) if transposed else (self.crow, self.col)
+        """The (q_len, N) CSR matrix holding `values` (nnz,) at the pattern's pairs, or its (N, q_len) transpose."""
         if transposed:
-            values = values[self.t_perm]
-        return torch.sparse_csr_tensor(crow, col, values, (self.n, self.n), check_invariants=False)
+            return torch.sparse_csr_tensor(self.t_crow, self.t_col, values[self.t_perm], (self.cols, self.rows),
+                                           check_invariants=False)
+        return torch.sparse_csr_tensor(self.crow, self.col, values, (self.rows, self.cols), check_invariants=False)
 
     def sampled(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
-        """Values (nnz,) of scale * a @ b.T at the pattern's pairs; a, b: (N, D)."""
+        """Values (nnz,) of scale * a @ b.T at the pattern's pairs; a (q_len, D), b (N, D)."""
         pattern = self.matrix(a.new_zeros(self.nnz))
         return torch.sparse.sampled_addmm(pattern, a, b.T, beta=0.0, alpha=scale).values()
 
     def expand_rows(self, per_row: Tensor) -> Tensor:
-        """(N,) -> (nnz,): each row's value repeated over its entries."""
+        """(q_len,) -> (nnz,): each row's value repeated over its entries."""
         return per_row.repeat_interleave(self.row_lengths, output_size=self.nnz)
 
     def row_max(self, values: Tensor) -> Tensor:
-        """(nnz,) -> (N,): the maximum of each row; 0 for a row without entries."""
-        peak = values.new_full((self.n,), -math.inf).scatter_reduce_(0, self.row, values, "amax")
+        """(nnz,) -> (q_len,): the maximum of each row; 0 for a row without entries."""
+        peak = values.new_full((self.rows,), -math.inf).scatter_reduce_(0, self.row, values, "amax")
         return peak.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
 
 
-def _head_forward(layout: CsrLayout, q: Tensor, k: Tensor, v: Tensor, scale: float
+def _head_forward(layout: CsrLayout, q: Tensor, k: Tensor, v1: Tensor, scale: float
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """One head: q, k, v (N, D) -> (output (N, D), exp'd scores (nnz,), row sums (N,))."""
+    """One query head: q (q_len, D), its KV head's k (N, D) and [v, 1] (N, D + 1) -> (output (q_len, D),
+    exp'd scores (nnz,), row sums (q_len,))."""
     scores = layout.sampled(q, k, scale)  # (nnz,)
     expd = scores.sub_(layout.expand_rows(layout.row_max(scores))).exp_()
-    # [V, 1]: the last output column is each row's sum of exp'd scores
-    v1 = torch.cat([v, v.new_ones(v.shape[0], 1)], dim=1)  # (N, D + 1)
-    both = layout.matrix(expd) @ v1  # (N, D + 1)
+    both = layout.matrix(expd) @ v1  # (q_len, D + 1): the last column is each row's sum of exp'd scores
     sums = both[:, -1].clone()
     out = both[:, :-1] / sums.clamp_min(torch.finfo(sums.dtype).tiny)[:, None]  # an empty row: 0 / tiny = 0
     return out, expd, sums
 
 
 class CsrAttention(torch.autograd.Function):
-    """Differentiable CSR attention over (BH, N, D) float inputs."""
+    """Differentiable CSR attention: q (BH, q_len, D), k, v (BHkv, N, D); query head i reads KV head i // G."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: CsrLayout, scale: float) -> Tensor:
         keep = any(ctx.needs_input_grad[:3])
+        group = q.shape[0] // k.shape[0]
+        # [V, 1] once per KV head: the sparse x dense product then also gives each row's sum
+        v1 = torch.cat([v, v.new_ones(v.shape[0], v.shape[1], 1)], dim=2)  # (BHkv, N, D + 1)
 
         def head(h: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-            out, expd, sums = _head_forward(layout, q[h], k[h], v[h], scale)
+            out, expd, sums = _head_forward(layout, q[h], k[h // group], v1[h // group], scale)
             return (out, expd, sums) if keep else (out, None, None)  # inference keeps no nnz-sized values
 
         heads = run_steps([lambda h=h: head(h) for h in range(q.shape[0])], q.device)
@@ -119,18 +125,39 @@ class CsrAttention(torch.autograd.Function):
         q, k, v, out, expds, sums = ctx.saved_tensors
         layout: CsrLayout = ctx.layout
         scale: float = ctx.scale
+        group = q.shape[0] // k.shape[0]
         inv_sums = torch.where(sums > 0, 1.0 / sums, torch.zeros_like(sums))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq = torch.empty_like(q)
+        # With G > 1 the query heads of a KV head add into its dK and dV, in head order (`InOrder`): the same
+        # sums run to run whichever thread finishes first.
+        dk, dv = (torch.empty_like(k), torch.empty_like(v)) if group == 1 else (torch.zeros_like(k),
+                                                                               torch.zeros_like(v))
+        in_order = InOrder()
 
-        def head(h: int) -> None:
+        def grads(h: int, kv: int) -> tuple[Tensor, Tensor]:
+            """Writes query head h's dQ; returns its (dK, dV) contributions (N, D) to KV head kv."""
             probs = expds[h] * layout.expand_rows(inv_sums[h])  # (nnz,)
             d_out = grad_out[h]
-            dv[h] = layout.matrix(probs, transposed=True) @ d_out
-            d_probs = layout.sampled(d_out, v[h], 1.0)  # (nnz,)
-            delta = (d_out * out[h]).sum(dim=1)  # (N,) = rowsum(P * dP)
+            d_v = layout.matrix(probs, transposed=True) @ d_out  # (N, D)
+            d_probs = layout.sampled(d_out, v[kv], 1.0)  # (nnz,)
+            delta = (d_out * out[h]).sum(dim=1)  # (q_len,) = rowsum(P * dP)
             d_scores = probs.mul_(d_probs.sub_(layout.expand_rows(delta))).mul_(scale)
-            dq[h] = layout.matrix(d_scores) @ k[h]
-            dk[h] = layout.matrix(d_scores, transposed=True) @ q[h]
+            dq[h] = layout.matrix(d_scores) @ k[kv]
+            return layout.matrix(d_scores, transposed=True) @ q[h], d_v
+
+        def head(h: int) -> None:
+            kv = h // group
+            if group == 1:
+                dk[kv], dv[kv] = grads(h, kv)
+                return
+            try:
+                d_k, d_v = grads(h, kv)
+            except BaseException:
+                with in_order.turn(h):  # pass the turn on, then fail
+                    raise
+            with in_order.turn(h):
+                dk[kv] += d_k
+                dv[kv] += d_v
 
         run_steps([lambda h=h: head(h) for h in range(q.shape[0])], q.device)
         return dq, dk, dv, None, None
@@ -144,17 +171,20 @@ class Csr(Impl):
 
     def prepare(self, case, pattern, q, k, v):
         crow, col = pattern.csr()
-        layout = CsrLayout.of(crow, col, case.seq_len, q.device)
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        layout = CsrLayout.of(crow, col, nq, n, q.device)
         scale = softmax_scale(case.head_dim)
         acc = accum_dtype(q.dtype)  # CSR kernels on CPU take float32/float64 only
         self._nnz = layout.nnz
 
         def call():
-            folded = [fold_heads(t).to(acc) for t in (q, k, v)]  # (BH, N, D)
-            out = CsrAttention.apply(*folded, layout, scale)
-            return unfold_heads(out, q.shape).to(q.dtype)
+            # (B*H, q_len, D) queries, (B*Hkv, N, D) keys and values: query head i reads KV head i // G
+            out = CsrAttention.apply(q.reshape(b * h, nq, d).to(acc), k.reshape(b * hkv, n, d).to(acc),
+                                     v.reshape(b * hkv, n, d).to(acc), layout, scale)
+            return out.view(q.shape).to(q.dtype)
 
         return call
 
     def record_extras(self) -> dict[str, object]:
-        return {"nnz_per_head": self._nnz}
+        return {"nnz_per_head": self._nnz}  # allowed pairs per query head of the q_len x seq_len matrix

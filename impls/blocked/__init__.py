@@ -1,11 +1,12 @@
 """`blocked`: dense matrix products over the pattern's block layout, pure PyTorch, the fast CPU path.
 
-Queries are cut into blocks of `block_size` rows; each query block gets every key it may see in one batch
-and is computed by dense GEMMs: sliding windows of K for banded patterns (Longformer's sliding chunks),
-gathered key blocks otherwise (`plan`), masked only where blocks are partially allowed, with an exact
-softmax over the batch (`compute`). Memory never grows as N^2: the forward holds one step's scores
-per thread besides its output, and the backward (an autograd.Function walking the same steps) the saved
-probabilities of the allowed blocks.
+Query rows (the pattern's q_len x seq_len matrix) are cut into blocks of `block_size` rows; each query
+block gets every key it may see in one batch and is computed by dense GEMMs: sliding windows of K for
+banded patterns (Longformer's sliding chunks), gathered key blocks otherwise (`plan`), masked only where
+blocks are partially allowed, with an exact softmax over the batch (`compute`). Grouped-query attention
+stacks the G query heads of a KV head as rows of the same products (K and V are never repeated). Memory
+never grows as N^2: the forward holds one step's scores per thread besides its output, and the backward
+(an autograd.Function walking the same steps) the saved probabilities of the allowed blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from bench.registry import Impl, register
 from impls.blocked.compute import blocked_attention
 from impls.blocked.plan import make_plan
-from impls.common import accum_dtype, fold_heads, softmax_scale, unfold_heads
+from impls.common import accum_dtype, softmax_scale
 
 
 @register
@@ -23,16 +24,23 @@ class Blocked(Impl):
     fwd_bwd = True
 
     def prepare(self, case, pattern, q, k, v):
-        plan = make_plan(pattern, case.block_size, case.batch * case.heads, softmax_scale(case.head_dim),
-                         q.device)
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        group = h // hkv
+        plan = make_plan(pattern, case.block_size, b * hkv, group, softmax_scale(case.head_dim), q.device)
         acc = accum_dtype(q.dtype)
-        self._extras = {"path": plan.path, "block_size": plan.block,
+        # computed pairs per query head (of the q_len x seq_len matrix), padding included
+        self._extras = {"path": plan.path, "block_size": case.block_size, "query_block_rows": plan.rows,
+                        "group_size": group,
                         "computed_pairs_per_head": plan.computed_pairs,
                         "computed_over_allowed": plan.computed_pairs / max(1, pattern.nnz)}
 
         def call():
-            folded = [fold_heads(t).to(acc) for t in (q, k, v)]  # (BH, N, D)
-            return unfold_heads(blocked_attention(plan, *folded), q.shape).to(q.dtype)
+            # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together (a view;
+            # low-precision query rows are converted step by step)
+            grouped = q.reshape(b * hkv, group, nq, d)
+            keys, values = (t.reshape(b * hkv, n, d).to(acc) for t in (k, v))
+            return blocked_attention(plan, grouped, keys, values).reshape(q.shape).to(q.dtype)
 
         return call
 
