@@ -1,15 +1,24 @@
-"""`bench.api.attention`: the one entry point tests and users call to run any implementation once."""
+"""The Python API: `attention` runs one implementation once; `run` runs a whole suite, as `bench run` does.
+
+This is a public module (docs/DESIGN.md "Implementations"): tests, notebooks and scripts call these.
+"""
 
 from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from bench import registry
-from bench.case import DTYPES, Case
 from bench.errors import Unavailable
+from bench.measure.pair import prepare_call, skip_reason
+from bench.measure.reference import check_shapes
 from bench.patterns import Pattern
-from bench.reference import check_shapes
+from bench.results.records import Record
+from bench.spec.case import DTYPES, Case
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -50,7 +59,33 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern)
         raise ValueError(exc.args[0]) from None
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     case = case_for(q, pattern, "fwd_bwd" if wants_grad else "fwd", k)
-    reason = impl.unavailable() or impl.unsupported(case)
+    reason = skip_reason(impl, case)
     if reason:
         raise Unavailable(reason)
-    return impl.prepare(case, pattern, q, k, v)()
+    return prepare_call(impl, case, pattern, q, k, v).first_output
+
+
+def run(suite: str | Path | dict[str, Any], out: str | Path = "results", *, impls: list[str] | None = None,
+        device: str | None = None, quiet: bool = False) -> list[Record]:
+    """Run a suite as `bench run` does and return the records it wrote (also stored under `out`).
+
+    `suite`: a suite file, or a dict with the suite file's schema (plugins relative to the working directory).
+    Raises `bench.errors.BadInput` for a bad suite, like the command line's exit code 2. `quiet`: no progress
+    or summary on the terminal.
+    """
+    from bench.run.runner import RunOptions
+    from bench.run.runner import run as run_suite
+    from bench.spec.suite import load_suite, parse_suite
+    from bench.terminal import make_console
+
+    parsed = parse_suite(suite, file="<dict>", base_dir=Path.cwd()) if isinstance(suite, dict) \
+        else load_suite(Path(suite))
+    console = make_console()
+    if quiet:
+        from rich.console import Console
+
+        console = Console(file=io.StringIO(), width=160)
+    records: list[Record] = []
+    run_suite(RunOptions(suite=parsed, impls=list(impls or []), device=device, out=Path(out)), console,
+              on_record=records.append)
+    return records

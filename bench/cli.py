@@ -10,14 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.console import make_console
 from bench.errors import BadInput
+from bench.terminal import make_console
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from bench.runner import RunOptions, run
+    from bench.run.runner import RunOptions, run
 
     options = RunOptions(suite=Path(args.suite), impls=args.impl or [], device=args.device, out=Path(args.out),
                          resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run)
@@ -31,7 +31,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for spec in args.plugin or []:
         load_plugin(spec, base_dir=Path.cwd(), file="--plugin", field=spec)
     if args.suite:
-        from bench.suite import load_suite
+        from bench.spec.suite import load_suite
 
         load_suite(Path(args.suite))
     return list_command(args.what, make_console())
@@ -40,19 +40,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_env(args: argparse.Namespace) -> int:
     import json
 
-    from bench.case import resolve_device
-    from bench.env import capture
+    from bench.measure.env import capture
+    from bench.spec.case import resolve_device
 
     env = capture(backend=resolve_device("auto"))
-    print(json.dumps(env, indent=2))
+    print(json.dumps(env.model_dump(mode="json", by_alias=True, exclude_none=False), indent=2))
     return EXIT_OK
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     import json
 
-    from bench.compare import compare_specs
-    from bench.compare_report import print_comparison
+    from bench.analysis.compare import compare_specs
+    from bench.analysis.report import print_comparison
 
     result = compare_specs(args.base, args.new, results=Path(args.results), suite=args.suite,
                            threshold_pct=args.threshold, alpha=args.alpha, deterministic_only=args.deterministic_only)
@@ -66,33 +66,33 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_history(args: argparse.Namespace) -> int:
-    from bench.history import history_command
+    from bench.analysis.history import history_command
 
     return history_command(Path(args.results), args.suite, threshold_pct=args.threshold, as_json=args.json,
                            show_all=args.all, console=make_console())
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from bench.export import export_command
+    from bench.results.export import export_command
 
     return export_command(Path(args.run), args.format, Path(args.output) if args.output else None)
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from bench import calibrate
-    from bench.case import resolve_device
+    from bench.measure import calibrate
+    from bench.spec.case import resolve_device
 
     dtypes = args.dtype or list(calibrate.MATMUL_DTYPES)
     return calibrate.command(resolve_device(args.device), Path(args.out), args.quick, dtypes, make_console())
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    from bench.model import model_command
+    from bench.analysis.model import model_command
 
     return model_command(Path(args.suite), args.gpu, Path(args.out), make_console())
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from bench.profile import profile_command
+    from bench.measure.profile import profile_command
 
     out = Path(args.output) if args.output else None
     return profile_command(Path(args.suite), args.impl, args.case, out, args.device, make_console())
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller sizes and budgets (what a run does at its start)")
     p.set_defaults(func=_cmd_calibrate)
 
-    from bench.hardware import GPU_CHOICES
+    from bench.measure.hardware import GPU_CHOICES
 
     p = sub.add_parser("model", help="lower-bound times of a suite's cases on a GPU that is not here (a model)")
     p.add_argument("suite", metavar="SUITE.yaml")

@@ -12,17 +12,18 @@ from bench.patterns import PATTERNS
 
 def impls_table() -> Table:
     table = Table(title="implementations")
-    for column in ("name", "available", "devices", "fwd_bwd", "distributed", "description"):
+    for column in ("name", "available", "devices", "fwd_bwd", "distributed", "source", "description"):
         table.add_column(column)
     for impl in registry.all_impls():
         why = impl.unavailable()
         table.add_row(impl.name, "yes" if why is None else f"no: {escape(why)}", ",".join(sorted(impl.devices)),
-                      "yes" if impl.fwd_bwd else "no", "yes" if impl.distributed else "no",
+                      "yes" if impl.fwd_bwd else "no", "yes" if impl.distributed else "no", escape(impl.source),
                       escape(impl.description))
     return table
 
 
 def patterns_table() -> Table:
+    registry.names()  # installed plugin packages register their patterns too
     table = Table(title="patterns (i = query position, j = key position)")
     for column in ("name", "fields", "source", "allowed(i, j)"):
         table.add_column(column)
@@ -39,7 +40,7 @@ def list_command(what: str, console: Console) -> int:
     elif what == "patterns":
         console.print(patterns_table())
     else:
-        from bench.hardware import hardware_table
+        from bench.measure.hardware import hardware_table
 
         console.print(hardware_table())
     return 0

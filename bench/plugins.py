@@ -65,3 +65,36 @@ def load_plugin(spec: str, *, base_dir: Path | None, file: str, field: str) -> N
         raise BadInput(f"got {spec!r}; cannot import module: {type(exc).__name__}: {exc}; allowed: an "
                        "importable module name or a .py file relative to the suite file",
                        file=file, field=field) from None
+
+
+ENTRY_POINT_GROUP = "sparse_attention_bench.plugins"
+_entry_points_loaded = False
+
+
+def load_entry_points() -> None:
+    """Import every installed plugin package's entry point in ENTRY_POINT_GROUP, once per process.
+
+    A package declares it in its pyproject.toml:
+
+        [project.entry-points."sparse_attention_bench.plugins"]
+        my_kernel = "my_kernel.bench_plugin"
+
+    and `pip install my-kernel` makes what that module registers available without a `plugins:` line. Raises
+    BadInput naming the entry point when its module fails to import.
+    """
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        distribution = getattr(point.dist, "name", None) or "an installed package"
+        _PLUGIN_MODULES.setdefault(point.value.split(":")[0].split(".")[0],
+                                   f"package {distribution} (entry point {point.name})")
+        try:
+            point.load()
+        except Exception as exc:
+            _entry_points_loaded = False  # the next caller sees the same error
+            raise BadInput(f"the plugin package {distribution} failed to import: {type(exc).__name__}: {exc}",
+                           file=f"entry point {point.name} = {point.value}", field=ENTRY_POINT_GROUP) from None

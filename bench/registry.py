@@ -1,29 +1,104 @@
 """The implementation interface (`Impl`) and the registry it registers into (`@register`).
 
-An implementation declares its capabilities as class attributes, says why it cannot run
-(`unavailable`, `unsupported`), and splits untimed setup from the timed call: `prepare()` returns the
-zero-argument callable that the runner times.
+This is a public module: implementations and plugins import `Impl`, `register`, `setup_phase` and `Case`
+from here (docs/DESIGN.md "Implementations"). An implementation declares its capabilities as class
+attributes, says why it cannot run (`unavailable`, `unsupported`), and splits untimed setup from the timed
+call: `prepare()` returns the zero-argument callable that the runner times. Inside `prepare` (or the first
+call), `with setup_phase("mask"): ...` and `with setup_phase("compile"): ...` mark mask building and
+compilation or autotuning, which records report apart (`setup.mask_s`, `setup.compile_s`).
+
+Implementations come from `impls/` (built in), from the modules a suite names under `plugins:`, and from
+installed packages that declare an entry point in the group `sparse_attention_bench.plugins`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+import contextvars
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from bench.plugins import load_entry_points, source_of
+from bench.spec.case import Case
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from bench.case import Case
     from bench.patterns import Pattern
+
+__all__ = ["ALL_DEVICES", "ALL_DTYPES", "Case", "Impl", "SetupPhase", "all_impls", "get", "names", "register",
+           "setup_phase"]
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+SetupPhase = Literal["mask", "compile"]
+
+
+class SetupClock:
+    """Times the setup phases an implementation marks while it is active (see `setup_phase`).
+
+    Phases are exclusive: time spent in a phase nested inside another counts for the inner one only.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, float] = {}
+        self._stack: list[list[Any]] = []  # [name, start, time spent in nested phases]
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> SetupClock:
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _ACTIVE.reset(self._token)
+
+    def total(self, name: str) -> float | None:
+        """Seconds marked as `name`; None when the implementation marked no such phase."""
+        return self._totals.get(name)
+
+    def marked_s(self) -> float:
+        return sum(self._totals.values())
+
+    def _begin(self, name: str) -> None:
+        self._stack.append([name, time.perf_counter(), 0.0])
+
+    def _end(self) -> None:
+        name, start, nested = self._stack.pop()
+        elapsed = time.perf_counter() - start
+        self._totals[name] = self._totals.get(name, 0.0) + elapsed - nested
+        if self._stack:
+            self._stack[-1][2] += elapsed
+
+
+_ACTIVE: contextvars.ContextVar[SetupClock | None] = contextvars.ContextVar("setup_clock", default=None)
+
+
+@contextmanager
+def setup_phase(name: SetupPhase) -> Iterator[None]:
+    """Mark a setup phase of an implementation: `mask` (building masks, layouts, lookup tables) or `compile`
+    (compilation, autotuning). Outside a measurement it does nothing."""
+    if name not in ("mask", "compile"):
+        raise ValueError(f"setup_phase takes 'mask' or 'compile', got {name!r}")
+    clock = _ACTIVE.get()
+    if clock is None:
+        yield
+        return
+    clock._begin(name)
+    try:
+        yield
+    finally:
+        clock._end()
 
 
 class Impl:
     """Base class of every implementation. Defaults: every pattern, cpu and cuda, every dtype, fwd only."""
 
     name: ClassVar[str] = ""
+    source: ClassVar[str] = "built-in"  # where it came from: built-in, a plugin, an installed package
     description: ClassVar[str] = ""
     devices: ClassVar[frozenset[str]] = ALL_DEVICES
     dtypes: ClassVar[frozenset[str]] = ALL_DTYPES
@@ -78,7 +153,7 @@ class Impl:
     def memory_bytes(self, case: Case) -> int | None:
         """A lower bound on the bytes one call allocates beyond its inputs and its output, or None when unknown.
 
-        bench.memory_model adds the inputs (and gradients in fwd_bwd) and skips a case that cannot fit in the
+        bench.measure.memory_model adds the inputs (and gradients in fwd_bwd) and skips a case that cannot fit in the
         device's free memory instead of running it into an out-of-memory error. Count only what the call
         certainly holds at once (e.g. the (B, H, N, N) scores of a dense implementation): an overestimate
         would skip a case that fits.
@@ -106,12 +181,15 @@ def register(cls: type[Impl]) -> type[Impl]:
             raise ValueError(f"implementation name {name!r} is already registered by "
                              f"{previous.__module__}.{previous.__qualname__}")
         _INSTANCES.pop(name, None)  # the same module imported again: the newer class wins
+    cls.source = source_of(cls.__module__)
     _REGISTRY[name] = cls
     return cls
 
 
 def _load_builtin() -> None:
     import impls  # noqa: F401 - registers the built-in implementations
+
+    load_entry_points()
 
 
 def names() -> list[str]:

@@ -21,7 +21,7 @@ from bench.registry import Impl
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from bench.case import Case
+    from bench.spec.case import Case
 
 SPLIT_FIELDS = {1: "heads", 2: "seq_len"}  # dim of (B, H, N, D) -> the case field it splits
 

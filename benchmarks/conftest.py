@@ -37,8 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Load and validate the suite once, before collection; a bad one is a usage error naming the field."""
-    from bench.runner import select_impls
-    from bench.suite import load_suite
+    from bench.run.runner import select_impls
+    from bench.spec.suite import load_suite
 
     try:
         suite = load_suite(Path(config.getoption("--bench-suite")))

@@ -14,10 +14,18 @@ import pytest
 import torch
 
 from bench import registry
-from bench.case import Case, resolve_device
 from bench.errors import Unavailable
-from bench.flops import useful_flops
-from bench.measure import CaseCache, _check, _timed_step, checkpointed, make_inputs, upstream_grad
+from bench.measure.flops import useful_flops
+from bench.measure.pair import (
+    CaseCache,
+    check_against_oracle,
+    make_inputs,
+    prepare_call,
+    skip_reason,
+    timed_step,
+    upstream_grad,
+)
+from bench.spec.case import Case, resolve_device
 
 
 def _synchronize(device: str) -> None:
@@ -26,38 +34,34 @@ def _synchronize(device: str) -> None:
 
 
 def test_attention(benchmark: Any, pair: tuple[Case, str, Any], request: pytest.FixtureRequest) -> None:
+    """The steps of bench.measure.pair (skip, pattern, inputs, prepare and first call, oracle check), then
+    pytest-benchmark's timer instead of ours."""
     case, impl_name, measure = pair
     config = request.config
     case = case.with_device(resolve_device(config.getoption("--bench-device") or case.device))
     if case.world_size > 1:
         pytest.skip("world_size > 1 runs under `bench run` (one process per rank)")
-    if case.device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible")
     impl = registry.get(impl_name)
-    reason = impl.unavailable() or impl.unsupported(case)
+    reason = skip_reason(impl, case)
     if reason:
         pytest.skip(reason)
 
     cache = CaseCache()
-    cache.for_case(case)
-    pattern = cache.pattern
-    assert pattern is not None
-    cache.inputs = make_inputs(case)
-    q, k, v = (t.detach().requires_grad_(case.mode == "fwd_bwd") for t in cache.inputs)
+    pattern = cache.for_case(case)
+    q, k, v = (t.detach().requires_grad_(case.mode == "fwd_bwd") for t in make_inputs(case))
     grad_out = upstream_grad(case) if case.mode == "fwd_bwd" else None
     try:
-        fn = impl.prepare(case, pattern, q, k, v)
+        prepared = prepare_call(impl, case, pattern, q, k, v)
     except Unavailable as exc:
         pytest.skip(exc.reason)
-    if case.checkpoint:
-        fn = checkpointed(fn)
-    error, problem = _check(case, impl, pattern, cache, q, k, v, fn(), grad_out, full=measure.check)
+    error, problem = check_against_oracle(case, impl, pattern, q, k, v, prepared.first_output, grad_out,
+                                          full=measure.check)
     assert problem is None, f"{impl_name} on {case.case_id}: {problem}"
 
-    step = _timed_step(fn, q, k, v, grad_out)
+    step = timed_step(prepared.fn, q, k, v, grad_out)
     flush = None
     if case.device == "cuda":
-        from bench.timing import CudaTimer
+        from bench.measure.timing import CudaTimer
 
         flush = CudaTimer().flush_l2
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bench.registry import Impl, register
+from bench.registry import Impl, register, setup_phase
 from impls.common import InOrder, accum_dtype, run_steps, softmax_scale
 
 # Torch warns once per process that CSR support is beta; the conformance tests are what we rely on.
@@ -170,10 +170,11 @@ class Csr(Impl):
     fwd_bwd = True
 
     def prepare(self, case, pattern, q, k, v):
-        crow, col = pattern.csr()
         b, h, nq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
-        layout = CsrLayout.of(crow, col, nq, n, q.device)
+        with setup_phase("mask"):
+            crow, col = pattern.csr()
+            layout = CsrLayout.of(crow, col, nq, n, q.device)
         scale = softmax_scale(case.head_dim)
         acc = accum_dtype(q.dtype)  # CSR kernels on CPU take float32/float64 only
         self._nnz = layout.nnz

@@ -6,8 +6,7 @@ Grouped-query attention without copying K or V: the query heads of one KV head a
 
 from __future__ import annotations
 
-from bench.memory_model import ELEMENT_BYTES, score_bytes
-from bench.registry import Impl, register
+from bench.registry import Impl, register, setup_phase
 from impls.common import accum_dtype, masked_softmax, masked_softmax_, softmax_scale
 
 
@@ -20,12 +19,13 @@ class Dense(Impl):
     def memory_bytes(self, case):
         # the (N, N) bool mask and the float32 (B, H, N, N) scores; low precision also holds the matmul's
         # scores in the input dtype while converting; backward keeps a second float32 buffer (scaled scores)
-        low = ELEMENT_BYTES[case.dtype] < 4
-        buffers = score_bytes(case) * (2 if case.mode == "fwd_bwd" else 1)
-        return case.n_queries * case.seq_len + buffers + (score_bytes(case, ELEMENT_BYTES[case.dtype]) if low else 0)
+        low = case.element_bytes < 4
+        buffers = case.score_bytes() * (2 if case.mode == "fwd_bwd" else 1)
+        return case.n_queries * case.seq_len + buffers + (case.score_bytes(case.element_bytes) if low else 0)
 
     def prepare(self, case, pattern, q, k, v):
-        mask = pattern.dense_mask().to(q.device)  # (Nq, N)
+        with setup_phase("mask"):
+            mask = pattern.dense_mask().to(q.device)  # (Nq, N)
         scale = softmax_scale(case.head_dim)
         acc = accum_dtype(q.dtype)
         needs_grad = any(t.requires_grad for t in (q, k, v))

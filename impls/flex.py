@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.registry import Impl, register
+from bench.registry import Impl, register, setup_phase
 from impls.common import softmax_scale
 
 # Compiled graphs kept per compiled function: one per (pattern kind, dtype, device) at least; torch's
@@ -143,7 +143,8 @@ class Flex(Impl):
     def prepare(self, case, pattern, q, k, v):
         from torch._inductor.exc import InductorError
 
-        block_mask = block_mask_for(pattern, case.block_size, q.device)
+        with setup_phase("mask"):
+            block_mask = block_mask_for(pattern, case.block_size, q.device)
         flex = compiled_flex()
         scale = softmax_scale(case.head_dim)
         gqa = k.shape[1] != q.shape[1]  # FlexAttention's native grouped-query attention: no K/V copies
@@ -155,15 +156,18 @@ class Flex(Impl):
             if state["compiled_once"]:
                 return flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
             try:
-                out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
+                with setup_phase("compile"):  # torch.compile traces and compiles on the first call
+                    out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
             except InductorError as exc:
                 # Inductor's CPU flex template cannot compile some predicates (torch 2.13 emits undeclared
                 # variables for several of attention-gym's mask_mods): the same matrix looked up in the
                 # block view compiles. The record says which mask_mod ran and why.
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 self._extras["mask_mod"] = f"tabulated (the predicate did not compile: {first})"
-                state["mask"] = block_mask_for(pattern, case.block_size, q.device, tabulated=True)
-                out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
+                with setup_phase("mask"):
+                    state["mask"] = block_mask_for(pattern, case.block_size, q.device, tabulated=True)
+                with setup_phase("compile"):
+                    out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
             state["compiled_once"] = True
             return out
 

@@ -14,8 +14,7 @@ import math
 
 import torch
 
-from bench.memory_model import score_bytes
-from bench.registry import Impl, register
+from bench.registry import Impl, register, setup_phase
 from impls.common import accum_dtype, softmax_scale
 
 
@@ -26,17 +25,18 @@ class NaiveLoop(Impl):
     fwd_bwd = True
 
     def memory_bytes(self, case):
-        return 2 * score_bytes(case)  # the float32 (B, H, N, N) matrix and its scaled copy under softmax
+        return 2 * case.score_bytes()  # the float32 (B, H, N, N) matrix and its scaled copy under softmax
 
     def prepare(self, case, pattern, q, k, v):
-        crow, col = pattern.csr()
         keys: list[slice | torch.Tensor] = []
-        for i in range(pattern.q_len):
-            row = col[crow[i] : crow[i + 1]]
-            if len(row) and int(row[-1]) - int(row[0]) + 1 == len(row):
-                keys.append(slice(int(row[0]), int(row[-1]) + 1))  # the seed's start:end window
-            else:
-                keys.append(row.to(q.device))
+        with setup_phase("mask"):
+            crow, col = pattern.csr()
+            for i in range(pattern.q_len):
+                row = col[crow[i] : crow[i + 1]]
+                if len(row) and int(row[-1]) - int(row[0]) + 1 == len(row):
+                    keys.append(slice(int(row[0]), int(row[-1]) + 1))  # the seed's start:end window
+                else:
+                    keys.append(row.to(q.device))
         scale = softmax_scale(case.head_dim)
         acc = accum_dtype(q.dtype)
         b, h, nq, d = q.shape

@@ -11,8 +11,8 @@ import math
 import torch
 from torch import Tensor
 
-from bench.case import Case
 from bench.comm import Communicator, current
+from bench.registry import Case
 from impls.common import accum_dtype, masked_softmax, masked_softmax_, softmax_scale
 
 

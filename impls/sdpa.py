@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from bench.registry import Impl, register
+from bench.registry import Impl, register, setup_phase
 
 
 @register
@@ -21,7 +21,8 @@ class Sdpa(Impl):
         return case.n_queries * case.seq_len  # the bool mask; the kernel PyTorch picks may need more, never less
 
     def prepare(self, case, pattern, q, k, v):
-        mask = pattern.dense_mask().to(q.device)  # (Nq, N), True = attend
+        with setup_phase("mask"):
+            mask = pattern.dense_mask().to(q.device)  # (Nq, N), True = attend
         gqa = k.shape[1] != q.shape[1]
         empty_rows = ~mask.any(dim=-1)  # SDPA leaves fully masked rows undefined; the contract says zeros
         if bool(empty_rows.any()):

@@ -53,12 +53,12 @@ echo "gpu_check: GPU '${GPU_NAME:-none}', results under $DIR, budget ${BUDGET_S}
 # >>> Suite selection: THE one place that decides which suites run, from the detected GPU. <<<
 # First suites/gpu.yaml, the kernel comparison (Triton vs FlexAttention, SDPA, blocked: densities 5%..50%,
 # forward and forward+backward) sized for this budget; then suites/gpu_workloads.yaml (grouped-query attention,
-# packed documents, decode, neighbourhoods at GPU sizes); then the suite sized to the detected card's memory (bench.hardware suite-for-gpu: rtx4090, a100, h100 - the
+# packed documents, decode, neighbourhoods at GPU sizes); then the suite sized to the detected card's memory (bench.measure.hardware suite-for-gpu: rtx4090, a100, h100 - the
 # last also on H200), with what is left of the budget: a suite cut short keeps its records and can be resumed.
 # Without a detected card (dry run) the dense peer suite stands in.
 choose_suites() {
     local gpu_name=$1 card_suite=""
-    [[ -n $gpu_name ]] && card_suite=$("$PY" -m bench.hardware suite-for-gpu --name "$gpu_name" 2>/dev/null)
+    [[ -n $gpu_name ]] && card_suite=$("$PY" -m bench.measure.hardware suite-for-gpu --name "$gpu_name" 2>/dev/null)
     echo "suites/gpu.yaml suites/gpu_workloads.yaml ${card_suite:-suites/gpu_dense.yaml}"
 }
 SUITES=$(choose_suites "$GPU_NAME")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.records import Record
+from bench.results.records import Record
 from tests.synthetic import commit_id, params, record, write_run
 
 T_DENSE = {128: 1e-3, 256: 4e-3, 512: 16e-3}
@@ -119,7 +119,7 @@ T_DOCS_DENSE = 64e-3  # dense at DOCS_N, whatever the documents
 
 
 def new_fields(**given: Any) -> dict[str, Any]:
-    """The case fields added with the workloads, at their defaults unless given (as bench.case writes them)."""
+    """The case fields added with the workloads, at their defaults unless given (as bench.spec.case writes them)."""
     return {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0, "image_width": None, **given}
 
 

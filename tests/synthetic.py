@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.records import Record, RunInfo, SuiteInfo
-from bench.store import RECORDS, RUN_JSON, RecordWriter, write_json_atomic
-from bench.timing import summarize
+from bench.measure.timing import summarize
+from bench.results.records import Record, RunInfo, SuiteInfo
+from bench.results.store import RECORDS, RUN_JSON, RecordWriter, write_json_atomic
 
 FINGERPRINT = "f00dcafe12345678"
 

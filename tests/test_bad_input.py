@@ -126,7 +126,7 @@ def test_dry_run_lists_cases_and_runs_nothing(tmp_path, capsys):
 
 
 def test_case_ids_are_stable(tmp_path):
-    from bench.suite import load_suite
+    from bench.spec.suite import load_suite
 
     path: Path = write_suite(tmp_path, GOOD)
     first = [c.case_id for c in load_suite(path).cases]

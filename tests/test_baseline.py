@@ -1,4 +1,4 @@
-"""The committed-baseline check of CI (`python -m bench.baseline check|refresh`), with real runs of a tiny suite."""
+"""The committed-baseline check of CI (`python -m bench.analysis.baseline check|refresh`), with real runs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from bench.baseline import main, read_baseline
+from bench.analysis.baseline import main, read_baseline
 from tests.conftest import write_suite
 from tests.synthetic import commit_id, record, write_run
 

@@ -6,14 +6,15 @@ import json
 
 import pytest
 
-from bench import calibrate
-from bench.calibrate import Settings, copy_bandwidth, load, matmul_rate, peak_for, store
-from bench.calibrate import calibrate as run_calibration
 from bench.cli import main
-from bench.env import capture
 from bench.errors import BadInput
-from bench.hardware import GiB
-from bench.timing import TimingPolicy
+from bench.measure import calibrate
+from bench.measure.calibrate import Settings, copy_bandwidth, load, matmul_rate, peak_for, store
+from bench.measure.calibrate import calibrate as run_calibration
+from bench.measure.env import capture
+from bench.measure.hardware import GiB
+from bench.measure.timing import TimingPolicy
+from bench.results.environment import Calibration
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
 
 
@@ -74,9 +75,9 @@ def test_stored_calibrations_are_found_by_fingerprint_and_damage_is_named(tmp_pa
         load(tmp_path, "abc123")
 
 
-CALIBRATED = {"device": "cuda:0 NVIDIA H100 80GB HBM3",
-              "matmul": {"float32": {"flops_per_s": 5e13}, "tf32": {"flops_per_s": 4e14},
-                         "bfloat16": {"flops_per_s": 8e14}}}
+CALIBRATED = Calibration(device="cuda:0 NVIDIA H100 80GB HBM3",
+                         matmul={"float32": {"flops_per_s": 5e13}, "tf32": {"flops_per_s": 4e14},
+                                 "bfloat16": {"flops_per_s": 8e14}})
 H100 = ("NVIDIA H100 80GB HBM3", 80 * GiB)
 
 
@@ -104,7 +105,7 @@ def test_bench_calibrate_stores_under_the_fingerprint(tmp_path, monkeypatch, cap
     code = main(["calibrate", "--device", "cpu", "--quick", "--dtype", "float32", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
-    fingerprint = capture("cpu")["fingerprint"]
+    fingerprint = capture("cpu").fingerprint
     stored = load(tmp_path, fingerprint)
     assert stored["matmul"]["float32"]["n"] == 128 and stored["matmul"]["float32"]["flops_per_s"] > 0
     assert "float32 matmul" in out and "GFLOP/s" in out and f"calibration/{fingerprint}.json" in out
@@ -112,7 +113,7 @@ def test_bench_calibrate_stores_under_the_fingerprint(tmp_path, monkeypatch, cap
 
 def test_records_use_the_stored_calibration_of_this_machine(tmp_path):
     results = tmp_path / "results"
-    fingerprint = capture("cpu")["fingerprint"]  # what the runner will compute in its own process
+    fingerprint = capture("cpu").fingerprint  # what the runner will compute in its own process
     rate = 3.2e10
     store(results, fingerprint, {"device": "cpu: test", "matmul": {"float32": {"flops_per_s": rate}}, "copy": {}})
     suite = write_suite(tmp_path, {"name": "peaks", "impls": ["dense"], "defaults": {"heads": 1, "head_dim": 8,

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import compare_stats as cs
+from bench.analysis import stats as cs
+from bench.analysis.compare import compare_sides, make_side
 from bench.cli import main
-from bench.compare import compare_sides, make_side
-from bench.records import CommInfo, CommOp
-from bench.store import load_run
+from bench.results.records import CommInfo, CommOp
+from bench.results.store import load_run
 from tests.synthetic import commit_id, noisy, record, write_run
 
 GOLDEN = Path(__file__).parent / "golden" / "compare_mixed.json"
@@ -115,8 +115,8 @@ def test_200_null_cases_keep_false_slower_within_the_corrected_level():
 
 
 def _as_run(records, commit):
-    from bench.records import RunInfo, SuiteInfo
-    from bench.store import Run
+    from bench.results.records import RunInfo, SuiteInfo
+    from bench.results.store import Run
 
     info = RunInfo(run_id=f"20260101T000000-{commit[:7]}-smoke", suite=SuiteInfo(name="smoke", content={}),
                    started_at="2026-01-01T00:00:00Z", env={"git": {"commit": commit}, "fingerprint": "x"})
@@ -169,7 +169,7 @@ def test_differing_fingerprints_warn_and_time_verdicts_are_not_comparable(tmp_pa
     new = write_run(tmp_path, commit=NEW_COMMIT, started_at=LATER, fingerprint="0123456789abcdef",
                     cpu="Other CPU", records=[record("c", "dense", samples * 1.5)])
     code, doc, err = compare_json(capsys, base, new)
-    assert "ENVIRONMENTS DIFFER" in err and "cpu: Test CPU -> Other CPU" in err
+    assert "ENVIRONMENTS DIFFER" in err and "cpu.model: Test CPU -> Other CPU" in err
     assert doc["time_comparable"] is False
     p = pair(doc, "c")
     assert p["verdict"] == "SLOWER" and p["time"]["comparable"] is False and not p["regression"]

@@ -16,8 +16,8 @@ import torch
 from bench import registry
 from bench.api import attention
 from bench.errors import Unavailable
+from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.patterns import PATTERNS, make_pattern
-from bench.reference import compare, reference_attention, tolerance_for
 
 SEQ_LENS = [97, 130, 257]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

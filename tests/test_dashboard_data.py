@@ -33,8 +33,8 @@ from bench.dashboard.views_correctness import correctness_figure, correctness_ma
 from bench.dashboard.views_history import history_figure, history_series
 from bench.dashboard.views_memory import memory_data, memory_figure, peak_figure, peak_series
 from bench.dashboard.views_time import speedup_data, speedup_figure, time_figure, time_series
-from bench.index import load_index
-from bench.store import load_run
+from bench.results.index import load_index
+from bench.results.store import load_run
 from tests import dashboard_runs as store
 from tests.conftest import run_bench
 from tests.synthetic import commit_id, params, record, write_run
@@ -328,8 +328,8 @@ def test_speedup_over_dense_by_window_and_density(runs) -> None:
                                                ("bigbird", "density"), ("causal", None)])
 def test_speedup_axis_is_the_pattern_field_when_nothing_varies(pattern: str, axis: str | None, tmp_path: Path) -> None:
     """One case per pattern (as the smoke suite has): the axis is the field the pattern reads, from its label."""
-    from bench.case import Case
     from bench.dashboard.views_time import speedup_y_key
+    from bench.spec.case import Case
 
     case = Case(pattern=pattern, seq_len=128, window=16, density=0.25, block_size=32, global_tokens=2)
     row = rows_from_runs([load_run(write_run(tmp_path, commit=commit_id(1), records=[
@@ -606,7 +606,7 @@ def test_cli_dashboard_default_store_and_bad_input(runs, tmp_path: Path, capsys)
     info["env"]["git"] = "main"
     (weird / "run.json").write_text(json.dumps(info))
     code, _, err = bench(str(weird), "-o", str(tmp_path / "out4"))
-    assert code == 2 and "env.git: got str; expected an object" in err and "run.json" in err
+    assert code == 2 and "field env.git: got 'main'; Input should be a valid dictionary" in err and "run.json" in err
 
 
 def test_cli_dashboard_runs_as_a_command(runs, tmp_path: Path) -> None:

@@ -153,7 +153,7 @@ def test_torchrun_also_runs_single_process_pairs_and_skips_what_needs_more_ranks
 def test_cp_sparse_saves_what_the_pattern_allows():
     """The closed forms themselves: cp_sparse against cp_ring for a local window, and tp_heads' blindness."""
     from bench import registry
-    from bench.case import Case
+    from bench.spec.case import Case
 
     ring, sparse, tp = (registry.get(n) for n in ("cp_ring", "cp_sparse", "tp_heads"))
     for p in (2, 4):
@@ -264,7 +264,7 @@ def test_faulty_ranks_give_failed_records_and_leave_no_process(tmp_path):
 
 @pytest.mark.parametrize("name, worlds, pairs", [("seed000_comm", {2, 4}, 56), ("multi_gpu", {1, 2, 4, 8}, 160)])
 def test_distributed_suites_load(name, worlds, pairs):
-    from bench.suite import load_suite
+    from bench.spec.suite import load_suite
 
     suite = load_suite(ROOT / "suites" / f"{name}.yaml")
     assert suite.impls == IMPLS

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from bench import env as env_module
-from bench import measure as measure_module
-from bench.case import Case
 from bench.cli import main
-from bench.nvml import GpuMonitor, Nvml, UnmonitoredGpu, decode_reasons, device_monitor
+from bench.measure import env as env_module
+from bench.measure import pair as measure_module
+from bench.measure.nvml import GpuMonitor, Nvml, UnmonitoredGpu, decode_reasons, device_monitor
+from bench.results.environment import Environment
+from bench.spec.case import Case
 from tests.fake_nvml import FakeGpu, fake_torch, make_module
 
 H100_UUID = "11111111-2222-3333-4444-555555555555"
@@ -26,7 +27,7 @@ def two_gpus() -> list[FakeGpu]:
 
 
 def test_this_machine_without_nvml_records_it_cleanly():
-    env = env_module.capture("cpu")
+    env = env_module.capture("cpu").model_dump(mode="json", by_alias=True)
     assert env["gpus"] == []
     assert env["nvml"]["available"] is False
     assert "NVML" in env["nvml"]["reason"] and env["nvml"]["driver"] is None
@@ -53,7 +54,7 @@ def test_library_not_found_is_a_reason():
 
 def test_gpus_seen_by_nvml_only_are_listed_with_every_field():
     nvml = Nvml(make_module(two_gpus()))
-    env = env_module.capture("cpu", nvml=nvml, torch_module=fake_torch())
+    env = env_module.capture("cpu", nvml=nvml, torch_module=fake_torch()).model_dump(mode="json", by_alias=True)
     assert env["nvml"] == {"available": True, "reason": None, "driver": "550.54.15", "cuda_driver": "12.4"}
     h100, rtx = env["gpus"]
     assert h100["cuda_index"] is None and h100["nvml_index"] == 0
@@ -158,8 +159,11 @@ def test_device_monitor_without_nvml_says_why():
 
 
 def test_fingerprint_follows_hardware_driver_and_versions_only():
-    base = env_module.capture("cpu", nvml=Nvml(make_module(two_gpus())), torch_module=fake_torch())
-    fp = env_module.fingerprint
+    base = env_module.capture("cpu", nvml=Nvml(make_module(two_gpus())), torch_module=fake_torch()).model_dump(
+        mode="json", by_alias=True)
+
+    def fp(env: dict) -> str:
+        return Environment.model_validate(env).computed_fingerprint()
 
     def changed(path: list, value) -> str:
         copy = json.loads(json.dumps(base))
@@ -191,7 +195,7 @@ def test_measure_records_the_device_state_around_the_timing(monkeypatch):
     monitor.stop = stop_after_heating
     monkeypatch.setattr(measure_module, "device_monitor", lambda device: monitor)
     case = Case(heads=1, head_dim=8, seq_len=32, window=8, device="cpu")
-    task = measure_module.Task(case.params(), case.case_id, case.params(), "dense",
+    task = measure_module.Task.of(case, "dense",
                                {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "check": True})
     record = measure_module.measure_task(task, measure_module.CaseCache())
     assert record.status == "ok"
@@ -201,7 +205,7 @@ def test_measure_records_the_device_state_around_the_timing(monkeypatch):
 
 def test_cpu_records_have_no_device_state():
     case = Case(heads=1, head_dim=8, seq_len=32, window=8, device="cpu")
-    task = measure_module.Task(case.params(), case.case_id, case.params(), "dense",
+    task = measure_module.Task.of(case, "dense",
                                {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "check": False})
     assert measure_module.measure_task(task, measure_module.CaseCache()).env is None
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench import flops
-from bench.case import Case
-from bench.measure import CaseCache, Task, measure_task
+from bench.measure import flops
+from bench.measure.pair import CaseCache, Task, measure_task
 from bench.patterns import make_pattern
+from bench.spec.case import Case
 
 MEASURE = {"warmup": 0, "repeat": 3, "max_time_s": 0.01, "timeout_s": 60, "check": True}
 
@@ -48,7 +48,7 @@ def test_flop_formulas(fields, nnz):
 
 
 def _record(case: Case, impl: str):
-    task = Task(case.params(), case.case_id, case.params(), impl, MEASURE)
+    task = Task.of(case, impl, MEASURE)
     return measure_task(task, CaseCache())
 
 

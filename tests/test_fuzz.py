@@ -12,10 +12,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.case import Case
 from bench.cli import main
 from bench.errors import BadInput
-from bench.store import load_run
+from bench.results.store import load_run
+from bench.spec.case import Case
 
 FIELDS = list(Case.field_names())
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10, 5000), st.floats(allow_nan=True),

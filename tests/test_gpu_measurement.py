@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from bench import registry
-from bench.calibrate import QUICK, calibrate
-from bench.case import Case
-from bench.env import capture
-from bench.hardware import match_gpu
-from bench.measure import CaseCache, Task, measure_task
-from bench.memory_model import does_not_fit
-from bench.nvml import GpuMonitor, device_monitor
-from bench.timing import CudaTimer, TimingPolicy, measure
+from bench.measure.calibrate import QUICK, calibrate
+from bench.measure.env import capture
+from bench.measure.hardware import match_gpu
+from bench.measure.memory_model import does_not_fit
+from bench.measure.nvml import GpuMonitor, device_monitor
+from bench.measure.pair import CaseCache, Task, measure_task
+from bench.measure.timing import CudaTimer, TimingPolicy, measure
+from bench.spec.case import Case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,11 +91,11 @@ def test_after_an_out_of_memory_error_memory_is_released_and_the_next_pair_runs(
     case = Case(heads=2, head_dim=32, seq_len=256, device="cuda")
     measure_json = {"warmup": 1, "repeat": 5, "max_time_s": 0.1, "check": True}
     cache = CaseCache()
-    failed = measure_task(Task(case.params(), case.case_id, case.params(), "greedy", measure_json), cache)
+    failed = measure_task(Task.of(case, "greedy", measure_json), cache)
     assert failed.status == "failed" and failed.reason.startswith("out of memory during first call"), failed.reason
     free, total = torch.cuda.mem_get_info()
     assert free > total / 3  # the half-of-free block held in a cycle was collected and returned
-    ok = measure_task(Task(case.params(), case.case_id, case.params(), "dense", measure_json), cache)
+    ok = measure_task(Task.of(case, "dense", measure_json), cache)
     assert ok.status == "ok" and ok.env is not None
     known = match_gpu(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
     assert (ok.peak is not None and ok.peak.source == "datasheet") == (known is not None)

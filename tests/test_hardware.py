@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import hardware
 from bench.cli import main
-from bench.hardware import HARDWARE, GiB, match_gpu, resolve, suite_for_gpu
+from bench.measure import hardware
+from bench.measure.hardware import HARDWARE, GiB, match_gpu, resolve, suite_for_gpu
 
 TERA = 1e12
 
@@ -118,8 +118,8 @@ def test_list_hardware(capsys, monkeypatch):
     ("h100", "h100_sxm", 16384, 32768), ("h100", "h200", 32768, 65536)])
 def test_gpu_suites_reach_each_cards_dense_limit(suite_name, card, largest_fit, smallest_skip):
     from bench import registry
-    from bench.memory_model import does_not_fit
-    from bench.suite import load_suite
+    from bench.measure.memory_model import does_not_fit
+    from bench.spec.suite import load_suite
 
     suite = load_suite(hardware.PROJECT_ROOT / "suites" / f"{suite_name}.yaml")
     memory = resolve(card).memory_bytes

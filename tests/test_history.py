@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.analysis.history import build_history
+from bench.analysis.steps import best_segmentations, fit_levels, interval_costs, normalized_weights, weighted_median
 from bench.cli import main
-from bench.history import build_history
-from bench.index import load_index
-from bench.steps import best_segmentations, fit_levels, interval_costs, normalized_weights, weighted_median
+from bench.results.index import load_index
 from tests.synthetic import commit_id, noisy, record, write_run
 
 

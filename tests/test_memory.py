@@ -10,10 +10,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from bench import memory, registry
-from bench.case import Case
-from bench.measure import CaseCache, Task, measure_task
+from bench import registry
+from bench.measure import memory
+from bench.measure.pair import CaseCache, Task, measure_task
 from bench.registry import Impl
+from bench.spec.case import Case
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
 
 MiB = 2**20
@@ -200,7 +201,7 @@ def test_fwd_bwd_peak_counts_the_gradients_of_the_measured_step(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, WeightedSum.name, WeightedSum)
     monkeypatch.setitem(registry._INSTANCES, WeightedSum.name, WeightedSum())
     case = Case(batch=1, heads=9, seq_len=1024, head_dim=1024, mode="fwd_bwd", device="cpu")
-    task = Task(case.params(), case.case_id, case.params(), WeightedSum.name,
+    task = Task.of(case, WeightedSum.name,
                 {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "timeout_s": 60, "check": False})
     record = measure_task(task, CaseCache())
     assert record.status == "ok", record.reason

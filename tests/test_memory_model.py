@@ -10,17 +10,18 @@ import weakref
 import pytest
 import torch
 
-from bench import measure as measure_module
-from bench import memory_model, registry
-from bench.case import Case
-from bench.measure import CaseCache, Task, measure_task, release_memory
-from bench.memory_model import does_not_fit, io_bytes, modelled_bytes, score_bytes
-from bench.worker import WorkerProcess
+from bench import registry
+from bench.measure import memory_model
+from bench.measure import pair as measure_module
+from bench.measure.memory_model import does_not_fit, io_bytes, modelled_bytes
+from bench.measure.pair import CaseCache, Task, measure_task, release_memory
+from bench.run.worker import WorkerProcess
+from bench.spec.case import Case
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
 
 
 def task_for(case: Case, impl: str, check: bool = True) -> Task:
-    return Task(case.params(), case.case_id, case.params(), impl,
+    return Task.of(case, impl,
                 {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "check": check})
 
 
@@ -28,7 +29,7 @@ def test_bytes_follow_the_shapes_exactly():
     case = Case(batch=2, heads=3, seq_len=5, head_dim=7, dtype="bfloat16", pattern="dense")
     assert io_bytes(case) == 4 * (2 * 3 * 5 * 7 * 2)  # q, k, v, out
     assert io_bytes(Case(**{**case.params(), "mode": "fwd_bwd"})) == 8 * (2 * 3 * 5 * 7 * 2)
-    assert score_bytes(case) == 2 * 3 * 5 * 5 * 4
+    assert case.score_bytes() == 2 * 3 * 5 * 5 * 4
     n2, s4, s2 = 25, 2 * 3 * 25 * 4, 2 * 3 * 25 * 2
     assert registry.get("dense").memory_bytes(case) == n2 + s4 + s2
     fp32 = Case(batch=2, heads=3, seq_len=5, head_dim=7, pattern="dense")
@@ -99,7 +100,7 @@ def test_the_model_is_a_lower_bound_of_what_a_call_uses():
     try:
         for impl_name, mode in pairs:
             case = Case(heads=4, head_dim=16, seq_len=512, window=64, mode=mode, device="cpu")
-            outcome = worker.run(task_for(case, impl_name, check=False).to_json(), timeout_s=300)
+            outcome = worker.run(task_for(case, impl_name, check=False), timeout_s=300)
             r = outcome.record
             assert r is not None and r["status"] == "ok", outcome
             impl = registry.get(impl_name)

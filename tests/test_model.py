@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.case import Case
+from bench.analysis.model import BOUNDS, block_pairs, bound, min_bytes, model_records
 from bench.cli import main
-from bench.hardware import resolve
-from bench.model import BOUNDS, block_pairs, bound, min_bytes, model_records
-from bench.store import load_run
+from bench.measure.hardware import resolve
+from bench.results.store import load_run
+from bench.spec.case import Case
 from tests.conftest import only_run_dir, run_bench, write_suite
 from tests.pattern_zoo import BUILTIN, valid_fields
 
@@ -88,7 +88,7 @@ def test_bench_model_writes_a_modelled_run(tmp_path, capsys):
     assert "-model-a100_80gb-m" in run_dir.name
     run = load_run(run_dir)  # validates run.json and every record against the schema
     assert run.info.source == "modelled" and run.info.finished_at is not None
-    assert run.info.env["backend"] == "model" and run.info.env["modelled_hardware"]["key"] == "a100_80gb"
+    assert run.info.env.backend == "model" and run.info.env.modelled_hardware["key"] == "a100_80gb"
     assert len(run.records) == 4 * 3
     assert all(r.source == "modelled" and "model" in r.device and "A100" in r.device for r in run.records)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.measure.reference import compare, reference_attention
 from bench.patterns import make_pattern
-from bench.reference import compare, reference_attention
 from impls.parallel_common import attend, attend_with_lse, merge
 
 

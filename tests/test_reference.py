@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from bench import reference
+from bench.measure import reference
+from bench.measure.reference import compare, reference_attention, rows_to_check, tolerance_for
 from bench.patterns import Pattern, make_pattern
-from bench.reference import compare, reference_attention, rows_to_check, tolerance_for
 
 
 def textbook(q, k, v, mask):

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.store import load_run
+from bench.results.store import load_run
 from tests.conftest import ROOT, bench_cmd, read_jsonl, write_suite
 
 KILLS = 50

@@ -40,6 +40,7 @@ def test_records_follow_the_golden_schema(tmp_path):
         assert sorted(r["params"]) == GOLDEN["record:params"]
         assert r["status"] == "ok", r
         assert sorted(r["time_s"]) == GOLDEN["record:time_s"]
+        assert sorted(r["setup"]) == GOLDEN["record:setup"] and r["setup"]["first_call_s"] > 0
         assert len(r["time_s"]["samples"]) == r["time_s"]["n"] >= 3
         assert sorted(r["memory"]) == GOLDEN["record:memory"]
         assert sorted(r["error"]) == GOLDEN["record:error"]
@@ -88,7 +89,7 @@ def _process_gone(pid: int) -> bool:
 
 
 def _workers_of(run_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "bench.worker"], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["pgrep", "-f", "bench.run.worker"], capture_output=True, text=True).stdout.split()
     mine = []
     for pid in map(int, out):
         try:

@@ -9,7 +9,7 @@ import pytest
 
 from bench.cli import main
 from bench.errors import BadInput
-from bench.store import create_run_dir
+from bench.results.store import create_run_dir
 from tests.conftest import ROOT, write_suite
 
 

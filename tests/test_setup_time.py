@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bench import registry
-from bench.case import Case
-from bench.measure import CaseCache, Task, measure_task
+from bench.measure.pair import CaseCache, Task, measure_task
 from bench.patterns import make_pattern
 from bench.registry import Impl
+from bench.spec.case import Case
 
 MEASURE = {"warmup": 1, "repeat": 5, "max_time_s": 0.05, "timeout_s": 300, "check": True}
 JIT_S = 0.5  # what the simulated just-in-time compiler below spends on its first call
@@ -37,7 +37,7 @@ class LazyCompiled(Impl):
 
 
 def _record(case: Case, impl: str):
-    task = Task(case.params(), case.case_id, case.params(), impl, MEASURE)
+    task = Task.of(case, impl, MEASURE)
     return measure_task(task, CaseCache())
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bench.api import attention
+from bench.measure.reference import compare, reference_attention
 from bench.patterns import Local, make_pattern
-from bench.reference import compare, reference_attention
 from tests import pattern_zoo
 
 TOL = 1e-4  # float32

@@ -10,9 +10,10 @@ import types
 import numpy as np
 import pytest
 
-from bench import measure as measure_module
-from bench import registry, timing
-from bench.timing import CpuTimer, CudaTimer, TimingPolicy, measure, median_ci95, median_ci_ranks
+from bench import registry
+from bench.measure import pair as measure_module
+from bench.measure import timing
+from bench.measure.timing import CpuTimer, CudaTimer, TimingPolicy, measure, median_ci95, median_ci_ranks
 
 
 class FakeClock:
@@ -212,7 +213,7 @@ def test_real_cpu_timer_measures_at_least_the_sleep():
     assert stats["n"] >= 6
 
 
-# --- bench.measure: setup_s holds prepare + first call, time_s never does -------------------------------
+# --- bench.measure.pair: setup_s holds prepare + first call, time_s never does -------------------------------
 
 
 def test_setup_s_holds_prepare_and_first_call_and_time_s_holds_neither(monkeypatch):
@@ -238,10 +239,10 @@ def test_setup_s_holds_prepare_and_first_call_and_time_s_holds_neither(monkeypat
     monkeypatch.setattr(measure_module, "time", types.SimpleNamespace(perf_counter=clock))
     monkeypatch.setattr(measure_module, "timer_for", lambda device: CpuTimer(clock=clock))
     monkeypatch.setattr(registry, "get", lambda name: impl if name == impl.name else dense)
-    from bench.case import Case
+    from bench.spec.case import Case
 
     case = Case(heads=1, head_dim=8, seq_len=32, window=8, device="cpu")
-    task = measure_module.Task(case.params(), case.case_id, case.params(), impl.name,
+    task = measure_module.Task.of(case, impl.name,
                                {"warmup": 2, "repeat": 7, "max_time_s": 1.0, "check": True})
     record = measure_module.measure_task(task, measure_module.CaseCache())
     assert record.status == "ok", record.reason

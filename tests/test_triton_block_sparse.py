@@ -19,12 +19,12 @@ import sys
 import pytest
 import torch
 
-from bench.case import Case
-from bench.console import summary_table
-from bench.measure import CaseCache, Task, measure_task
+from bench.measure.pair import CaseCache, Task, measure_task
+from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.patterns import Causal, Pattern, make_pattern
-from bench.reference import compare, reference_attention, tolerance_for
 from bench.registry import get
+from bench.run.console import summary_table
+from bench.spec.case import Case
 from impls.triton_block_sparse import launch, tables
 from impls.triton_block_sparse.launch import TileConfig
 from tests.conftest import ROOT
@@ -290,9 +290,9 @@ def test_interpreter_mode_is_chosen_before_anything_imports_triton():
     proc = _python("import impls\nimport triton.language as tl\nprint(type(tl.zeros).__name__)" + RUN_ONE_FORWARD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "InterpretedFunction" in proc.stdout and "torch.Size([1, 1, 40, 16])" in proc.stdout
-    from bench.env import capture
+    from bench.measure.env import capture
 
-    assert "triton" in capture("cpu")["versions"]  # from package metadata, without importing triton
+    assert capture("cpu").versions.triton  # from package metadata, without importing triton
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without CUDA")
@@ -498,7 +498,7 @@ def test_non_contiguous_grouped_inputs_with_fewer_query_rows():
 def test_record_says_interpreter_and_carries_the_config():
     case = Case(batch=1, heads=2, head_dim=32, seq_len=90, pattern="block_random", density=0.3, block_size=32,
                 mode="fwd_bwd", device="cpu")
-    task = Task(case.params(), case.case_id, case.params(), "triton_block_sparse",
+    task = Task.of(case, "triton_block_sparse",
                 {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "check": True})
     record = measure_task(task, CaseCache())
     assert record.status == "ok", (record.reason, record.details)

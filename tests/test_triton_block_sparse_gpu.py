@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.case import Case
+from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.patterns import make_pattern
-from bench.reference import compare, reference_attention, tolerance_for
 from bench.registry import get
+from bench.spec.case import Case
 from impls.triton_block_sparse import launch
 
 pytestmark = [

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from bench.dashboard.render import DashboardResult, build_dashboard
-from bench.index import load_index, load_runs
+from bench.results.index import load_index, load_runs
 
 __all__ = ["DashboardResult", "build_dashboard", "dashboard_command"]
 

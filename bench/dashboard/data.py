@@ -2,7 +2,7 @@
 
 Every figure of a suite page is built from rows, never from the raw models, so the unit tests can check the
 data of each figure from synthetic runs. Raw timing samples stay out of rows (the pages keep medians and
-intervals, not samples); `bench.history` reads samples from the runs itself.
+intervals, not samples); `bench.analysis.history` reads samples from the runs itself.
 
 Grouping:
 - a *facet* is one (pattern, dtype, mode, device, workload): the unit the page's filters select. `device` is the
@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.index import run_commit, run_fingerprint
-from bench.records import Record
-from bench.store import Run
+from bench.results.index import run_commit, run_fingerprint
+from bench.results.records import Record
+from bench.results.store import Run
 
 FACET_KEYS = ("pattern", "dtype", "mode", "device", "workload")
 Facet = tuple[str, str, str, str, str]  # the values of FACET_KEYS
@@ -155,13 +155,13 @@ def _device_of(record: Record, run: Run) -> str:
     if record.device:
         return record.device
     requested = record.params.get("device")
-    backend = run.info.env.get("backend")
+    backend = run.info.env.backend
     return str(requested if requested not in (None, "auto") else backend or "unknown device")
 
 
 def row_from_record(run: Run, record: Record) -> Row:
     info = run.info
-    git = info.env.get("git") if isinstance(info.env.get("git"), dict) else {}
+
     modelled = record.source == "modelled" or info.source == "modelled"
     time_s, comm, error, peak = record.time_s, record.comm, record.error, record.peak
     ci = None
@@ -169,8 +169,8 @@ def row_from_record(run: Run, record: Record) -> Row:
         ci = (float(time_s.ci95[0]), float(time_s.ci95[1]))
     return Row(
         suite=info.suite.name, run_id=info.run_id, started_at=info.started_at, commit=run_commit(run),
-        dirty=bool(git.get("dirty")), fingerprint=run_fingerprint(run),
-        backend="model" if modelled else str(info.env.get("backend") or "?"),
+        dirty=bool(info.env.git.dirty), fingerprint=run_fingerprint(run),
+        backend="model" if modelled else str(info.env.backend or "?"),
         case_id=record.case_id, impl=record.impl, params=dict(record.params), status=record.status,
         reason=record.reason, source="modelled" if modelled else "measured", device=_device_of(record, run),
         interpreter=record.interpreter,

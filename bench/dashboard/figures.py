@@ -8,7 +8,6 @@ hundreds of traces is slow and embeds a 6 KB template in each; the tests validat
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,24 +165,6 @@ class XAxis:
 def hover(lines: Sequence[str]) -> str:
     """Hover text from lines that are already escaped (use `plot_text` on data first)."""
     return "<br>".join(lines)
-
-
-def format_seconds(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds * 1e9:.3g} ns"
-
-
-def format_bytes(value: float | None) -> str:
-    if value is None or not math.isfinite(value):
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.0f} B"
 
 
 def row_hover(row: Row, *extra: str) -> str:

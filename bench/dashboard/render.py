@@ -30,9 +30,9 @@ from bench.dashboard.figures import Colours
 from bench.dashboard.suite_page import SuitePage, build_suite_page, suite_file_name
 from bench.dashboard.views_history import history_series
 from bench.errors import BadInput
-from bench.index import run_commit, run_fingerprint
-from bench.records import STATUSES
-from bench.store import RUN_JSON, Run
+from bench.results.index import run_commit, run_fingerprint
+from bench.results.records import STATUSES
+from bench.results.store import Run
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS = "assets"
@@ -49,19 +49,6 @@ class DashboardResult:
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(loader=jinja2.FileSystemLoader(PACKAGE_DIR / "templates"), autoescape=True,
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-
-
-def check_run(run: Run) -> None:
-    """The env fields the dashboard reads must have their types; a run.json that breaks them is named."""
-    env = run.info.env
-    for key, kind, allowed in (("git", dict, "an object {commit, branch, dirty}"),
-                               ("cpu", dict, "an object {model, ...}"), ("gpus", list, "a list of objects"),
-                               ("versions", dict, "an object of version strings"), ("host", dict, "an object")):
-        if key in env and env[key] is not None and not isinstance(env[key], kind):
-            raise BadInput(f"field env.{key}: got {type(env[key]).__name__}; expected {allowed}",
-                           file=str(run.path / RUN_JSON))
-    if any(not isinstance(g, dict) for g in env.get("gpus") or []):
-        raise BadInput("field env.gpus: every entry must be an object", file=str(run.path / RUN_JSON))
 
 
 def _counts(rows: Sequence[Row]) -> dict[str, int]:
@@ -100,11 +87,10 @@ def index_context(runs: Sequence[Run], rows: Sequence[Row], pages: Sequence[Suit
     for run in runs:
         info = run.info
         mine = rows_by_run.get((info.run_id, info.started_at), [])
-        git = info.env.get("git") or {}
         run_rows.append({"run_id": info.run_id, "suite": info.suite.name,
                          "suite_file": by_suite[info.suite.name].file_name,
                          "started_at": _when(info.started_at), "finished_at": _when(info.finished_at),
-                         "commit": (run_commit(run) or "no git")[:12], "dirty": bool(git.get("dirty")),
+                         "commit": (run_commit(run) or "no git")[:12], "dirty": bool(info.env.git.dirty),
                          "fingerprint": run_fingerprint(run), "fingerprint_anchor": _anchor(run_fingerprint(run)),
                          "source": info.source, "devices": list(dict.fromkeys(r.device for r in mine)),
                          "counts": _counts(mine), "path": str(run.path)})
@@ -113,26 +99,26 @@ def index_context(runs: Sequence[Run], rows: Sequence[Row], pages: Sequence[Suit
         env = run.info.env
         fp = run_fingerprint(run)
         entry = environments.setdefault(fp, {
-            "fingerprint": fp, "anchor": _anchor(fp), "backend": _text(env.get("backend")),
-            "cpu": _text((env.get("cpu") or {}).get("model")),
-            "gpus": ", ".join(_text(g.get("name")) for g in env.get("gpus") or []) or "none",
-            "versions": ", ".join(f"{k} {v}" for k, v in (env.get("versions") or {}).items() if v),
+            "fingerprint": fp, "anchor": _anchor(fp), "backend": _text(env.backend),
+            "cpu": _text(env.cpu.model),
+            "gpus": ", ".join(_text(g.name) for g in env.gpus) or "none",
+            "versions": ", ".join(f"{k} {v}" for k, v in env.versions.model_dump(by_alias=True).items() if v),
             "hosts": set(), "n_runs": 0})
-        entry["hosts"].add(_text((env.get("host") or {}).get("hostname")))
+        entry["hosts"].add(_text(env.host.hostname))
         entry["n_runs"] += 1
     for entry in environments.values():
         entry["hosts"] = ", ".join(sorted(entry["hosts"]))
     commits: dict[str, dict[str, Any]] = {}
     for run in runs:
         commit = run_commit(run) or "(no git)"
-        git = run.info.env.get("git") or {}
+        git = run.info.env.git
         entry = commits.setdefault(commit, {"commit": commit, "branches": set(), "first": run.info.started_at,
                                             "n_runs": 0, "suites": {}, "dirty": False})
-        if git.get("branch"):
-            entry["branches"].add(_text(git.get("branch")))
+        if git.branch:
+            entry["branches"].add(_text(git.branch))
         entry["first"] = min(entry["first"], run.info.started_at)
         entry["n_runs"] += 1
-        entry["dirty"] = entry["dirty"] or bool(git.get("dirty"))
+        entry["dirty"] = entry["dirty"] or bool(git.dirty)
         entry["suites"][run.info.suite.name] = {"name": run.info.suite.name,
                                                 "file_name": suite_file_name(run.info.suite.name)}
     commit_list = sorted(commits.values(), key=lambda c: c["first"], reverse=True)
@@ -172,8 +158,6 @@ def build_dashboard(runs: Sequence[Run], out: Path) -> DashboardResult:
     """Render every suite of `runs` and the index into `out`; returns what was written."""
     if not runs:
         raise BadInput("no runs to show; run a suite first (`bench run suites/smoke.yaml`) or pass run directories")
-    for run in runs:
-        check_run(run)
     runs = sorted(runs, key=lambda r: (r.info.started_at, r.info.run_id))
     rows = rows_from_runs(runs)
     colours = Colours(r.impl for r in rows)

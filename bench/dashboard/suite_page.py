@@ -16,8 +16,8 @@ from bench.dashboard.views_correctness import correctness_figure
 from bench.dashboard.views_history import HistorySeries, history_figure
 from bench.dashboard.views_memory import memory_figure, peak_figure
 from bench.dashboard.views_time import speedup_figure, time_figure
-from bench.records import STATUSES
-from bench.store import Run
+from bench.results.records import STATUSES
+from bench.results.store import Run
 
 SUITE_NAME_RE = re.compile(r"[a-z0-9_-]{1,64}")
 

@@ -22,12 +22,12 @@ from bench.dashboard.figures import (
     Figure,
     axis,
     base_layout,
-    format_seconds,
     hover,
     label_variants,
     provenance,
     trace_style,
 )
+from bench.format import format_seconds
 
 HOW = ("linear interpolation of t_impl / t_baseline in density between the two measured densities around "
        "the crossing of 1; bounds where it never crosses")

@@ -12,12 +12,12 @@ from bench.dashboard.figures import (
     Figure,
     axis,
     base_layout,
-    format_bytes,
     label_variants,
     provenance,
     row_hover,
     trace_style,
 )
+from bench.format import format_bytes
 
 
 @dataclass(frozen=True)

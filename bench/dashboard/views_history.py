@@ -1,4 +1,4 @@
-"""History over commits: each (case, impl) series of bench.history with its fitted levels and detected steps.
+"""History over commits: each (case, impl) series of bench.analysis.history with its fitted levels and detected steps.
 
 Series come from `bench.history.build_history` (measured records only: models never enter a history); this
 module assigns each to the facet of its records and draws it with the commits on a categorical axis in the
@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from bench.analysis.history import Series, build_history
 from bench.dashboard.data import Facet, Row, SeriesKey, params_label, varying_keys
 from bench.dashboard.escaping import plot_text
-from bench.dashboard.figures import Colours, Figure, axis, base_layout, format_seconds, hover, provenance
-from bench.history import Series, build_history
-from bench.store import Run
+from bench.dashboard.figures import Colours, Figure, axis, base_layout, hover, provenance
+from bench.format import format_seconds
+from bench.results.store import Run
 
 STEP_STYLE = {"slower": ("#d62728", "triangle-up"), "faster": ("#2ca02c", "triangle-down")}
 MAX_SHOWN = 12  # with more series than this, those without a step start hidden (one click in the legend)

@@ -15,12 +15,12 @@ from bench.dashboard.figures import (
     XAxis,
     axis,
     base_layout,
-    format_bytes,
     label_variants,
     provenance,
     row_hover,
     trace_style,
 )
+from bench.format import format_bytes
 
 # Marker of each kind of unmeasured case on the strip: (symbol, colour).
 MARK_STYLE = {"skipped": ("x-thin-open", "#7f7f7f"), "out of memory": ("triangle-up", "#d62728"),

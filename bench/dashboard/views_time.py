@@ -31,12 +31,12 @@ from bench.dashboard.figures import (
     XAxis,
     axis,
     base_layout,
-    format_seconds,
     label_variants,
     provenance,
     row_hover,
     trace_style,
 )
+from bench.format import format_seconds
 
 # ---------------------------------------------------------------------------------------------------------
 # time against sequence length (or the parameter of data.x_key)
@@ -157,7 +157,7 @@ def speedup_y_key(rows: Sequence[Row]) -> str | None:
 def pattern_fields(row: Row) -> set[str]:
     """The fields the case's pattern reads, from the pattern label that starts its case id.
 
-    `bench.case` writes ids as `<pattern label>-n<N>-...` and the label carries exactly the pattern's fields
+    `bench.spec.case` writes ids as `<pattern label>-n<N>-...` and the label carries exactly the pattern's fields
     (`local_w64`, `block_random_p0.1_b64_s0`: see Pattern.label). Reading them here keeps torch (which
     bench.patterns imports) out of the dashboard.
     """

@@ -249,6 +249,12 @@ class Pattern:
             self._cache[("bases",)] = {n: type(self)(n, **self.field_values()) for n in sorted(set(self.documents))}
         return self._cache[("bases",)]
 
+    def fresh(self) -> Pattern:
+        """The same pattern with none of its views built yet (each implementation builds its own in prepare)."""
+        clone = copy.copy(self)
+        clone._cache = {}
+        return clone
+
     def with_tensor_fields(self, device: torch.device | str) -> Pattern:
         """A copy whose fields are 0-dim tensors on `device` (density float64, the rest int64).
 

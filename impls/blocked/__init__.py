@@ -11,7 +11,7 @@ never grows as N^2: the forward holds one step's scores per thread besides its o
 
 from __future__ import annotations
 
-from bench.registry import Impl, register
+from bench.registry import Impl, register, setup_phase
 from impls.blocked.compute import blocked_attention
 from impls.blocked.plan import make_plan
 from impls.common import accum_dtype, softmax_scale
@@ -27,7 +27,8 @@ class Blocked(Impl):
         b, h, nq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         group = h // hkv
-        plan = make_plan(pattern, case.block_size, b * hkv, group, softmax_scale(case.head_dim), q.device)
+        with setup_phase("mask"):  # the plan: which keys each step reads, and its masks
+            plan = make_plan(pattern, case.block_size, b * hkv, group, softmax_scale(case.head_dim), q.device)
         acc = accum_dtype(q.dtype)
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
         self._extras = {"path": plan.path, "block_size": case.block_size, "query_block_rows": plan.rows,

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bench.registry import setup_phase
 from impls.triton_block_sparse import tables as tbl
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
@@ -183,7 +184,8 @@ _TUNED: dict[tuple, tuple[TileConfig, dict[str, float | str]]] = {}
 
 def kernel_plan(pattern, config: TileConfig, base: int, device: torch.device) -> KernelPlan:
     mask = tbl.mask_spec(pattern, [(config.block_m, config.block_n)])
-    tables = TABLES.get(pattern, config, mask.kind == tbl.MASK_BITS, base, device)
+    with setup_phase("mask"):  # the tile tables and bitmasks
+        tables = TABLES.get(pattern, config, mask.kind == tbl.MASK_BITS, base, device)
     return KernelPlan(config, tables, mask)
 
 
@@ -236,13 +238,25 @@ def plan_attention(pattern, q: Tensor, k: Tensor, v: Tensor, needs_grad: bool) -
 def _tune(kernel: str, configs: tuple[TileConfig, ...], shape_key: tuple, tuning: dict[str, Any], pattern,
           base: int, device: torch.device, run) -> KernelPlan:
     """The fastest of `configs` for one kernel, by triton.testing.do_bench; remembered per case shape."""
-    from triton.testing import do_bench
-
     key = (kernel, *shape_key)
     if key in _TUNED:  # tuned earlier in this process (same pattern and shapes): keep its choice
         config, tuning[kernel] = _TUNED[key]
         return kernel_plan(pattern, config, base, device)
     timings: dict[str, float | str] = {}
+    with setup_phase("compile"):  # autotuning: each candidate compiled and timed (its tables count as mask)
+        best = _tune_candidates(configs, pattern, base, device, run, timings)
+    tuning[kernel] = timings
+    if best is None:
+        raise RuntimeError(f"no {kernel} tile configuration ran on this GPU: {timings}")
+    _TUNED[key] = (best[1].config, timings)
+    return best[1]
+
+
+def _tune_candidates(configs: tuple[TileConfig, ...], pattern, base: int, device: torch.device, run,
+                     timings: dict[str, float | str]) -> tuple[float, KernelPlan] | None:
+    """(median ms, plan) of the fastest candidate that runs; every candidate's time or error in `timings`."""
+    from triton.testing import do_bench
+
     best: tuple[float, KernelPlan] | None = None
     for config in configs:
         plan = kernel_plan(pattern, config, base, device)
@@ -255,11 +269,7 @@ def _tune(kernel: str, configs: tuple[TileConfig, ...], shape_key: tuple, tuning
         timings[config.label] = round(ms, 4)
         if best is None or ms < best[0]:
             best = (ms, plan)
-    tuning[kernel] = timings
-    if best is None:
-        raise RuntimeError(f"no {kernel} tile configuration ran on this GPU: {timings}")
-    _TUNED[key] = (best[1].config, timings)
-    return best[1]
+    return best
 
 
 _blas_controller: Any = None

@@ -1,0 +1,345 @@
+"""`bench compare BASE NEW`: which (case, impl) pairs changed between two sets of runs, decided with statistics.
+
+Each side is one run or several runs of one commit (their records are pooled per (case, impl): CI measures base
+and head in interleaved rounds). For every pair present on both sides:
+
+- time: ratio of medians, bootstrap interval, Mann-Whitney p, Benjamini-Hochberg q and a verdict
+  (bench.analysis.stats) when both sides ran ok;
+- deterministic figures (status, FLOPs, density, correctness numbers, communication bytes, CUDA peak memory)
+  are compared exactly; every difference is listed.
+
+Regressions (exit 1): a SLOWER verdict between comparable environments; a pair that became failed or incorrect;
+more communication bytes. Different environment fingerprints give a loud warning and make time verdicts "not
+comparable": they are shown but cannot fail the comparison. Modelled records (`source: modelled`) are set
+aside and listed, never compared as measurements; a side with nothing but modelled records is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.analysis import stats as cs
+from bench.errors import BadInput
+from bench.results.index import resolve, run_commit, run_fingerprint
+from bench.results.records import Record
+from bench.results.store import Run
+
+BAD_STATUSES = ("failed", "incorrect")
+STATUS_RANK = {"ok": 0, "skipped": 1, "incorrect": 2, "failed": 3}  # worst wins when pooled runs disagree
+DEFAULT_THRESHOLD_PCT = 10.0
+DEFAULT_ALPHA = 0.05
+Key = tuple[str, str]  # (case_id, impl)
+
+
+@dataclass
+class Side:
+    """One side of a comparison: its runs and their measured records pooled per (case, impl)."""
+
+    label: str  # what the user gave: a run directory or a commit prefix
+    runs: list[Run]
+    records: dict[Key, list[Record]]  # measured records, one per run that has the pair
+    modelled: list[Record]
+
+    @property
+    def fingerprints(self) -> list[str]:
+        return list(dict.fromkeys(run_fingerprint(r) for r in self.runs))
+
+    @property
+    def commits(self) -> list[str]:
+        return list(dict.fromkeys(run_commit(r) or "unknown" for r in self.runs))
+
+    def summary(self) -> dict[str, Any]:
+        return {"label": self.label, "runs": [r.info.run_id for r in self.runs], "commits": self.commits,
+                "suites": list(dict.fromkeys(r.info.suite.name for r in self.runs)),
+                "fingerprint": self.fingerprints[0] if self.fingerprints else None,
+                "measured_pairs": len(self.records), "modelled_records": len(self.modelled)}
+
+
+def make_side(label: str, runs: list[Run], what: str) -> Side:
+    records: dict[Key, list[Record]] = {}
+    modelled: list[Record] = []
+    for run in runs:
+        seen: set[Key] = set()
+        for record in run.records:
+            key = (record.case_id, record.impl)
+            if run.info.source == "modelled" or record.source == "modelled":
+                modelled.append(record)
+            elif key not in seen:  # a resumed run may hold a pair twice; its first record counts, as in `run`
+                seen.add(key)
+                records.setdefault(key, []).append(record)
+    if not records and modelled:
+        raise BadInput(f"{what} {label!r} holds only modelled records (from `bench model`), not measurements; "
+                       "compare compares measurements. Compare two measured runs instead")
+    fingerprints = {run_fingerprint(r) for r in runs}
+    if len(fingerprints) > 1:
+        raise BadInput(f"{what} {label!r}: its runs come from different environments (fingerprints "
+                       f"{', '.join(sorted(fingerprints))}); pooled samples must come from one machine. "
+                       "Pass a single run directory")
+    return Side(label, runs, records, modelled)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A deterministic figure that differs. `kind`: regression | improvement | change."""
+
+    figure: str
+    base: Any
+    new: Any
+    kind: str
+
+
+@dataclass
+class PairResult:
+    case_id: str
+    impl: str
+    base_status: str
+    new_status: str
+    time: cs.TimeTest | None = None
+    q_value: float | None = None
+    verdict: str | None = None  # None when time was not compared (a side not ok, or --deterministic-only)
+    time_comparable: bool = True
+    changes: list[Change] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def slower_regression(self) -> bool:
+        return self.verdict == cs.SLOWER and self.time_comparable
+
+    @property
+    def regression(self) -> bool:
+        return self.slower_regression or any(c.kind == "regression" for c in self.changes)
+
+
+@dataclass
+class Comparison:
+    base: Side
+    new: Side
+    threshold_pct: float
+    alpha: float
+    deterministic_only: bool
+    time_comparable: bool
+    pairs: list[PairResult]
+    only_base: list[tuple[str, str, str]]  # (case_id, impl, status)
+    only_new: list[tuple[str, str, str]]
+    warnings: list[str]
+    notes: list[str]
+
+    def regressions(self) -> list[PairResult]:
+        return [p for p in self.pairs if p.regression]
+
+    def verdict_counts(self) -> dict[str, int]:
+        return {v: sum(p.verdict == v for p in self.pairs) for v in cs.VERDICTS}
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.regressions() else 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable result (`bench compare --json`); NaN becomes null."""
+        return {
+            "schema": "bench-compare/1",
+            "base": self.base.summary(),
+            "new": self.new.summary(),
+            "threshold_pct": self.threshold_pct,
+            "alpha": self.alpha,
+            "confidence": cs.CONFIDENCE,
+            "deterministic_only": self.deterministic_only,
+            "time_comparable": self.time_comparable,
+            "warnings": self.warnings,
+            "notes": self.notes,
+            "pairs": [_pair_json(p) for p in self.pairs],
+            "only_base": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_base],
+            "only_new": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_new],
+            "modelled_not_compared": [{"side": side, "case_id": r.case_id, "impl": r.impl}
+                                      for side, recs in (("base", self.base.modelled), ("new", self.new.modelled))
+                                      for r in recs],
+            "summary": {**self.verdict_counts(), "pairs": len(self.pairs),
+                        "changes": sum(len(p.changes) for p in self.pairs),
+                        "regressions": len(self.regressions())},
+            "exit_code": self.exit_code,
+        }
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
+
+
+def _pair_json(p: PairResult) -> dict[str, Any]:
+    time = None
+    if p.time is not None:
+        t = p.time
+        time = {"n_base": t.n_base, "n_new": t.n_new, "runs_base": t.runs_base, "runs_new": t.runs_new,
+                "median_base_s": _num(t.median_base),
+                "median_new_s": _num(t.median_new), "ratio": _num(t.ratio), "ci_low": _num(t.ci_low),
+                "ci_high": _num(t.ci_high), "p_value": _num(t.p_value), "q_value": _num(p.q_value),
+                "comparable": p.time_comparable, "note": t.note}
+    return {"case_id": p.case_id, "impl": p.impl, "base_status": p.base_status, "new_status": p.new_status,
+            "verdict": p.verdict, "time": time, "regression": p.regression,
+            "changes": [{"figure": c.figure, "base": c.base, "new": c.new, "kind": c.kind} for c in p.changes],
+            "notes": p.notes}
+
+
+def pooled_status(records: list[Record]) -> str:
+    return max((r.status for r in records), key=STATUS_RANK.__getitem__)
+
+
+def samples_per_run(records: list[Record]) -> list[list[float]]:
+    return [list(r.time_s.samples) for r in records if r.status == "ok" and r.time_s]
+
+
+def figures(record: Record) -> dict[str, Any]:
+    """The deterministic figures of one record, flattened to `a.b.c` names. Unmeasured ones are absent."""
+    out: dict[str, Any] = {"flops": record.flops, "density": record.density,
+                           "block_density": record.block_density}
+    if record.error is not None:
+        e = record.error
+        out.update({"error.rel_l2": e.rel_l2, "error.max_abs": e.max_abs, "error.tolerance": e.tolerance,
+                    "error.rows_checked": e.rows_checked, "error.nonfinite": e.nonfinite})
+        for name, g in (e.grads or {}).items():
+            out.update({f"error.grads.{name}.rel_l2": g.rel_l2, f"error.grads.{name}.nonfinite": g.nonfinite})
+    if record.comm is not None:
+        c = record.comm
+        out.update({"comm.backend": c.backend, "comm.bytes_total": c.bytes_total,
+                    "comm.bytes_max_rank": c.bytes_max_rank, "comm.expected_bytes": c.expected_bytes,
+                    "comm.bytes_per_rank": c.bytes_per_rank})
+        for op, stats in c.by_op.items():
+            out.update({f"comm.by_op.{op}.calls": stats.calls, f"comm.by_op.{op}.bytes_total": stats.bytes_total,
+                        f"comm.by_op.{op}.bytes_max_rank": stats.bytes_max_rank})
+    # Peak allocated CUDA memory is a property of the code; a CPU resident-set high-water mark is noise.
+    if record.memory is not None and record.memory.method == "cuda_max_memory_allocated":
+        out["memory.peak_bytes"] = record.memory.peak_bytes
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _is_bytes(figure: str) -> bool:
+    return figure.startswith("comm.") and (figure.endswith(("bytes_total", "bytes_max_rank")))
+
+
+def figure_changes(base: list[Record], new: list[Record]) -> list[Change]:
+    """Every deterministic difference between the pooled records of one pair (status always compared)."""
+    b_status, n_status = pooled_status(base), pooled_status(new)
+    changes = []
+    if b_status != n_status:
+        if n_status in BAD_STATUSES and b_status not in BAD_STATUSES:
+            kind = "regression"
+        elif b_status in BAD_STATUSES and n_status == "ok":
+            kind = "improvement"
+        else:
+            kind = "change"
+        changes.append(Change("status", b_status, n_status, kind))
+    b_fig, n_fig = figures(_representative(base)), figures(_representative(new))
+    for name in [k for k in b_fig if k in n_fig]:  # figures measured on both sides only
+        if b_fig[name] == n_fig[name]:
+            continue
+        kind = "change"
+        if _is_bytes(name) and isinstance(b_fig[name], int) and isinstance(n_fig[name], int):
+            kind = "regression" if n_fig[name] > b_fig[name] else "improvement"
+        changes.append(Change(name, b_fig[name], n_fig[name], kind))
+    return changes
+
+
+def _representative(records: list[Record]) -> Record:
+    """The record whose figures stand for the side: the worst status, first run among equals."""
+    return max(records, key=lambda r: STATUS_RANK[r.status])
+
+
+def _disagreements(label: str, records: list[Record]) -> list[str]:
+    notes = []
+    statuses = sorted({r.status for r in records})
+    if len(statuses) > 1:
+        notes.append(f"{label} runs disagree on status ({', '.join(statuses)}); the worst counts")
+    figs = [figures(r) for r in records if r.status == "ok"]
+    if any(f != figs[0] for f in figs[1:]):
+        notes.append(f"{label} runs disagree on deterministic figures; the first run's are compared")
+    return notes
+
+
+def _environment_warnings(base: Side, new: Side) -> tuple[list[str], bool]:
+    warnings: list[str] = []
+    b_fp, n_fp = base.fingerprints[0], new.fingerprints[0]
+    comparable = b_fp == n_fp
+    if not comparable:
+        diffs = base.runs[0].info.env.differences(new.runs[0].info.env)
+        warnings.append(f"ENVIRONMENTS DIFFER: base fingerprint {b_fp}, new fingerprint {n_fp}"
+                        f"{' (' + '; '.join(diffs) + ')' if diffs else ''}. Timings from different machines, "
+                        "drivers or library versions are not comparable: time verdicts are shown but marked "
+                        "not comparable and cannot fail this comparison; deterministic figures still can.")
+    for side_name, side in (("base", base), ("new", new)):
+        for run in side.runs:
+            if run.info.finished_at is None:
+                warnings.append(f"{side_name} run {run.info.run_id} did not finish (interrupted or still "
+                                "running); pairs it lacks are listed as missing")
+            if run.info.env.git.dirty:
+                warnings.append(f"{side_name} run {run.info.run_id} was made from a working tree with "
+                                "uncommitted changes: its commit id does not describe the code measured")
+        warnings.extend(f"{side_name}: {w}" for run in side.runs for w in run.warnings)
+    return warnings, comparable
+
+
+def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+                  alpha: float = DEFAULT_ALPHA, deterministic_only: bool = False, seed: int = 0) -> Comparison:
+    """Compare two sides; pure given the records (the bootstrap is seeded per pair from `seed`)."""
+    if not threshold_pct >= 0:
+        raise BadInput(f"got {threshold_pct}; a percentage >= 0", field="--threshold")
+    if not 0 < alpha < 1:
+        raise BadInput(f"got {alpha}; a level strictly between 0 and 1", field="--alpha")
+    warnings, comparable = _environment_warnings(base, new)
+    notes = []
+    b_suites = {r.info.suite.name for r in base.runs}
+    n_suites = {r.info.suite.name for r in new.runs}
+    if b_suites != n_suites:
+        notes.append(f"suites differ (base {', '.join(sorted(b_suites))}, new {', '.join(sorted(n_suites))}): "
+                     "only (case, impl) pairs present in both are compared")
+    if not deterministic_only and len(base.runs) == 1 and len(new.runs) == 1:
+        notes.append("one run per side: the intervals hold the variation within each run, not between runs "
+                     "(machine load, clocks); pool several interleaved runs per commit (CI does) for time verdicts "
+                     "that a changed background cannot fake")
+    if base.modelled or new.modelled:
+        notes.append(f"{len(base.modelled) + len(new.modelled)} modelled records (source: modelled) were set "
+                     "aside: models are not measurements and are not compared")
+
+    keys = list(dict.fromkeys([*new.records, *base.records]))
+    pairs: list[PairResult] = []
+    for case_id, impl in keys:
+        b, n = base.records.get((case_id, impl)), new.records.get((case_id, impl))
+        if b is None or n is None:
+            continue
+        pair = PairResult(case_id, impl, pooled_status(b), pooled_status(n), time_comparable=comparable,
+                          changes=figure_changes(b, n),
+                          notes=_disagreements("base", b) + _disagreements("new", n))
+        if not deterministic_only and pair.base_status == "ok" and pair.new_status == "ok":
+            pair.time = cs.compare_runs(samples_per_run(b), samples_per_run(n), cs.seed_for(f"{case_id}|{impl}", seed))
+            if any(r.interpreter for r in (*b, *n)):
+                pair.notes.append("timed through the Triton interpreter on CPU: not kernel speed")
+        pairs.append(pair)
+
+    tested = [p for p in pairs if p.time is not None and p.time.note is None]
+    for pair, q in zip(tested, cs.benjamini_hochberg([p.time.p_value for p in tested if p.time]), strict=True):
+        pair.q_value = q
+    for pair in pairs:
+        if pair.time is not None:
+            pair.verdict = cs.verdict(pair.time, pair.q_value if pair.q_value is not None else 1.0,
+                                      threshold_pct / 100, alpha)
+
+    only_base = [(c, i, pooled_status(r)) for (c, i), r in base.records.items() if (c, i) not in new.records]
+    only_new = [(c, i, pooled_status(r)) for (c, i), r in new.records.items() if (c, i) not in base.records]
+    return Comparison(base, new, threshold_pct, alpha, deterministic_only, comparable, pairs, only_base, only_new,
+                      warnings, notes)
+
+
+def compare_specs(base_spec: str, new_spec: str, *, results: Path = Path("results"), suite: str | None = None,
+                  **options: Any) -> Comparison:
+    """`bench compare BASE NEW`: resolve both (run directory or commit prefix) and compare."""
+    base = make_side(base_spec, resolve(base_spec, results, suite=suite, what="BASE"), "BASE")
+    new = make_side(new_spec, resolve(new_spec, results, suite=suite, what="NEW"), "NEW")
+    return compare_sides(base, new, **options)
+
+
+def iter_changes(comparison: Comparison) -> Iterator[tuple[PairResult, Change]]:
+    for pair in comparison.pairs:
+        for change in pair.changes:
+            yield pair, change

@@ -1,0 +1,189 @@
+"""`bench history [SUITE]`: every (case, impl) as a series over commits, with the steps where its time changed.
+
+Data API (for the dashboard and other tools; plain frozen dataclasses, `dataclasses.asdict` gives JSON):
+
+    build_history(runs, suite=None, threshold=0.05) -> list[Series]
+
+- A `Series` is one (suite, environment fingerprint, case_id, impl): timings from different machines or library
+  versions never share a series.
+- Its `points` are one per commit, in the order the commits were first measured (`started_at` of their
+  earliest run): the pooled samples of every measured `ok` record of that commit, their median and the
+  median's 95% interval. Runs of a dirty working tree are kept and flagged `dirty`.
+- Its `levels` are the piecewise-constant fit (bench.analysis.steps: weighted L1, as asv) and its `steps` the jumps
+  between levels larger than their noise and than `threshold`: the step happened after `commit_before` and at
+  or before `commit_after` (the git range `commit_before..commit_after`).
+
+Modelled records and runs are not measurements and never enter a series.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from bench.analysis.steps import Segment, fit_levels, significant_steps
+from bench.errors import BadInput
+from bench.format import format_seconds
+from bench.measure.timing import median_ci95
+from bench.results.index import load_index, run_commit, run_fingerprint
+from bench.results.store import Run
+
+
+@dataclass(frozen=True)
+class Point:
+    """One commit of a series. Times in seconds per call."""
+
+    commit: str
+    run_ids: tuple[str, ...]  # the runs pooled into this point, oldest first
+    started_at: str  # of the earliest of them
+    median: float
+    ci95: tuple[float, float] | None  # distribution-free interval of the median; None under 6 samples
+    samples: tuple[float, ...]
+    dirty: bool = False  # some run was made from uncommitted changes
+
+    @property
+    def run_id(self) -> str:
+        return self.run_ids[0]
+
+
+@dataclass(frozen=True)
+class Step:
+    """A change of level between points[index - 1] and points[index]. ratio > 1: slower."""
+
+    index: int
+    commit_before: str
+    commit_after: str
+    median_before: float  # fitted level before the step (weighted median of its segment)
+    median_after: float
+    ratio: float
+
+    @property
+    def direction(self) -> str:
+        return "slower" if self.ratio > 1 else "faster"
+
+    @property
+    def commit_range(self) -> str:
+        return f"{self.commit_before[:10]}..{self.commit_after[:10]}"
+
+
+@dataclass(frozen=True)
+class Series:
+    suite: str
+    fingerprint: str
+    case_id: str
+    impl: str
+    points: tuple[Point, ...]
+    levels: tuple[Segment, ...]
+    steps: tuple[Step, ...]
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.suite, self.fingerprint, self.case_id, self.impl)
+
+
+def _point_weight(point: Point) -> float | None:
+    """asv's weighting: the inverse width of the point's interval (None: the median weight is used)."""
+    if point.ci95 is None or point.ci95[1] <= point.ci95[0]:
+        return None
+    return 1.0 / (point.ci95[1] - point.ci95[0])
+
+
+def _make_point(commit: str, entries: list[tuple[Run, list[float]]]) -> Point:
+    samples = [s for _, run_samples in entries for s in run_samples]
+    ci = median_ci95(samples)
+    return Point(commit=commit, run_ids=tuple(r.info.run_id for r, _ in entries),
+                 started_at=entries[0][0].info.started_at, median=float(np.median(samples)),
+                 ci95=(float(ci[0]), float(ci[1])) if ci else None, samples=tuple(samples),
+                 dirty=any(bool(r.info.env.git.dirty) for r, _ in entries))
+
+
+def series_from_points(suite: str, fingerprint: str, case_id: str, impl: str, points: list[Point],
+                       threshold: float = 0.05) -> Series:
+    """Fit levels to the points' medians and keep the steps larger than noise and `threshold` (a fraction)."""
+    levels = fit_levels([p.median for p in points], [_point_weight(p) for p in points])
+    steps = []
+    for i in significant_steps(levels, threshold):
+        before, after = levels[i - 1], levels[i]
+        index = after.start
+        steps.append(Step(index=index, commit_before=points[index - 1].commit, commit_after=points[index].commit,
+                          median_before=before.value, median_after=after.value,
+                          ratio=after.value / before.value if before.value > 0 else math.inf))
+    return Series(suite, fingerprint, case_id, impl, tuple(points), tuple(levels), tuple(steps))
+
+
+def build_history(runs: Iterable[Run], suite: str | None = None, threshold: float = 0.05) -> list[Series]:
+    """Series per (suite, fingerprint, case_id, impl) over commits, with their detected steps."""
+    ordered = sorted((r for r in runs if r.info.source == "measured" and (suite is None or r.info.suite.name == suite)),
+                     key=lambda r: (r.info.started_at, r.info.run_id))
+    # key -> commit -> [(run, samples)], insertion-ordered by first measurement
+    grouped: dict[tuple[str, str, str, str], dict[str, list[tuple[Run, list[float]]]]] = {}
+    for run in ordered:
+        commit = run_commit(run) or f"(no git: {run.info.run_id})"
+        seen: set[tuple[str, str]] = set()
+        for record in run.records:
+            pair = (record.case_id, record.impl)
+            if record.source != "measured" or record.status != "ok" or not record.time_s or pair in seen:
+                continue
+            seen.add(pair)
+            key = (run.info.suite.name, run_fingerprint(run), record.case_id, record.impl)
+            grouped.setdefault(key, {}).setdefault(commit, []).append((run, list(record.time_s.samples)))
+    return [series_from_points(*key, [_make_point(c, e) for c, e in by_commit.items()], threshold=threshold)
+            for key, by_commit in grouped.items()]
+
+
+def history_json(series: list[Series]) -> list[dict[str, Any]]:
+    out = []
+    for s in series:
+        item = asdict(s)
+        item["steps"] = [{**asdict(st), "direction": st.direction, "commit_range": st.commit_range}
+                         for st in s.steps]
+        out.append(item)
+    return out
+
+
+def history_table(series: list[Series], show_all: bool) -> Table:
+    table = Table(title="history: time per call over commits (steps by weighted L1 fit)")
+    for name in ("suite", "case", "impl", "env", "commits", "latest", "steps (commit range: before -> after)"):
+        table.add_column(name, no_wrap=name != "steps (commit range: before -> after)")
+    for s in series:
+        if not s.steps and not show_all:
+            continue
+        steps = "; ".join(
+            f"[{'red' if st.direction == 'slower' else 'green'}]{st.commit_range} x{st.ratio:.2f} {st.direction}[/] "
+            f"({format_seconds(st.median_before)} -> {format_seconds(st.median_after)})" for st in s.steps) or "-"
+        table.add_row(escape(s.suite), escape(s.case_id), escape(s.impl), s.fingerprint[:8], str(len(s.points)),
+                      format_seconds(s.points[-1].median), steps)
+    return table
+
+
+def history_command(results: Path, suite: str | None, *, threshold_pct: float, as_json: bool, show_all: bool,
+                    console: Console) -> int:
+    if not threshold_pct >= 0:
+        raise BadInput(f"got {threshold_pct}; a percentage >= 0", field="--threshold")
+    index = load_index(results)
+    if suite is not None and suite not in index.suites():
+        raise BadInput(f"got {suite!r}; suites in {results}: {', '.join(index.suites()) or 'none'}", field="SUITE")
+    series = build_history(index.runs, suite, threshold=threshold_pct / 100)
+    if as_json:
+        print(json.dumps(history_json(series), indent=2))
+        return 0
+    for warning in index.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    console.print(history_table(series, show_all))
+    n_steps = sum(len(s.steps) for s in series)
+    slower = sum(st.direction == "slower" for s in series for st in s.steps)
+    fingerprints = {s.fingerprint for s in series}
+    console.print(f"{len(series)} series over {len(index.commits())} commits in {results}"
+                  f"{f' ({len(fingerprints)} environments, kept apart)' if len(fingerprints) > 1 else ''}; "
+                  f"{n_steps} steps ({slower} slower, {n_steps - slower} faster)"
+                  f"{'' if show_all or not series else '; --all lists series without steps'}")
+    return 0

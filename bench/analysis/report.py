@@ -1,0 +1,113 @@
+"""Terminal rendering of a `bench compare` result: warnings, the time table, figure changes, missing pairs."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+
+from bench.analysis import stats as cs
+from bench.analysis.compare import Comparison, PairResult, iter_changes
+from bench.format import format_seconds
+
+VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow"}
+KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow"}
+
+
+def _ratio(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.3f}"
+
+
+def _p(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:.2g}" if x >= 1e-3 else f"{x:.1e}"
+
+
+def _verdict_cell(pair: PairResult) -> str:
+    if pair.verdict is None:
+        return "-"
+    text = f"[{VERDICT_STYLE[pair.verdict]}]{pair.verdict}[/]"
+    return text if pair.time_comparable else f"{text} [red](not comparable)[/]"
+
+
+def time_table(comparison: Comparison) -> Table:
+    c = comparison
+    table = Table(title=f"time per call, NEW vs BASE (threshold {c.threshold_pct:g}%, "
+                        f"{cs.CONFIDENCE:.0%} bootstrap interval, Mann-Whitney U, BH-corrected at {c.alpha:g})")
+    for name, justify in (("case", "left"), ("impl", "left"), ("base", "right"), ("new", "right"),
+                          ("ratio", "right"), ("interval", "right"), ("p", "right"), ("q", "right"),
+                          ("verdict", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for pair in c.pairs:
+        if pair.time is None:
+            status = pair.new_status if pair.base_status == pair.new_status else \
+                f"{pair.base_status} -> {pair.new_status}"
+            table.add_row(escape(pair.case_id), escape(pair.impl), "", "", "", "", "", "",
+                          f"[dim]{escape(status)}[/]" if not c.deterministic_only else "-")
+            continue
+        t = pair.time
+        interval = "-" if not math.isfinite(t.ci_low) else f"[{t.ci_low:.3g}, {t.ci_high:.3g}]"
+        table.add_row(escape(pair.case_id), escape(pair.impl), format_seconds(t.median_base),
+                      format_seconds(t.median_new), _ratio(t.ratio), interval, _p(t.p_value), _p(pair.q_value),
+                      _verdict_cell(pair))
+    return table
+
+
+def changes_table(comparison: Comparison) -> Table | None:
+    rows = list(iter_changes(comparison))
+    if not rows:
+        return None
+    table = Table(title="deterministic figures that changed (compared exactly)")
+    for name in ("case", "impl", "figure", "base", "new", "kind"):
+        table.add_column(name, no_wrap=name == "case")
+    for pair, change in rows:
+        table.add_row(escape(pair.case_id), escape(pair.impl), change.figure, escape(str(change.base)),
+                      escape(str(change.new)), f"[{KIND_STYLE[change.kind]}]{change.kind}[/]")
+    return table
+
+
+def print_comparison(comparison: Comparison, console: Console, err_console: Console) -> None:
+    c = comparison
+    for warning in c.warnings:
+        err_console.print(Panel(escape(warning), title="WARNING", border_style="bold red"))
+    console.print(f"base: {escape(c.base.label)} ({', '.join(r.info.run_id for r in c.base.runs)})")
+    console.print(f"new:  {escape(c.new.label)} ({', '.join(r.info.run_id for r in c.new.runs)})")
+    if not c.deterministic_only:
+        console.print(time_table(c))
+    table = changes_table(c)
+    if table is not None:
+        console.print(table)
+    for label, missing in (("only in BASE", c.only_base), ("only in NEW", c.only_new)):
+        if missing:
+            console.print(f"[yellow]{label}[/] ({len(missing)} pairs, not compared):")
+            for case_id, impl, status in missing:
+                console.print(f"  {escape(case_id)} | {escape(impl)} ({status})", highlight=False)
+    if c.base.modelled or c.new.modelled:
+        console.print("[magenta]modelled records set aside[/] (models, not measurements; not compared):")
+        for side, records in (("base", c.base.modelled), ("new", c.new.modelled)):
+            for r in records:
+                console.print(f"  {side}: {escape(r.case_id)} | {escape(r.impl)}", highlight=False)
+    for note in c.notes:
+        console.print(f"[cyan]note:[/] {escape(note)}")
+    for pair in c.pairs:
+        for note in pair.notes:
+            console.print(f"[cyan]note:[/] {escape(pair.case_id)} | {escape(pair.impl)}: {escape(note)}")
+    console.print(summary_line(c))
+
+
+def summary_line(c: Comparison) -> str:
+    counts = c.verdict_counts()
+    n_changes = sum(len(p.changes) for p in c.pairs)
+    time_part = "time not compared (--deterministic-only)" if c.deterministic_only else \
+        ", ".join(f"{n} {v}" for v, n in counts.items())
+    if not c.time_comparable and not c.deterministic_only:
+        time_part += " (time verdicts not comparable: environments differ)"
+    regressions = c.regressions()
+    outcome = (f"[bold red]REGRESSION[/] in {len(regressions)} pairs" if regressions
+               else "[green]no regression[/]")
+    return (f"{len(c.pairs)} pairs compared: {time_part}; {n_changes} deterministic changes; "
+            f"{len(c.only_base)} only in BASE, {len(c.only_new)} only in NEW. {outcome}")

@@ -1,0 +1,199 @@
+"""`bench calibrate`: this machine's matmul rate per dtype and its copy bandwidth, the peaks records compare with.
+
+A record's `peak` is its achieved FLOP rate over a peak: the calibrated matmul rate of its dtype when this
+machine (same environment fingerprint) was calibrated, else the datasheet figure of a known GPU, and it says
+which. A matmul is the best case for the hardware, so `fraction` reads as "share of what this machine does
+at its best", which is the comparison the project's CPU claims call for.
+
+Stored at `<results>/calibration/<fingerprint>.json`; a run records the calibration it used in run.json's
+`env.calibration`. With `measure: {calibrate: true}` in a suite, `bench run` measures a quick calibration at
+the start of the run, in a child process (so a GPU context is not kept in the runner: bench.run.calibration),
+and uses that one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.errors import BadInput
+from bench.measure.timing import Timer, TimingPolicy, measure, timer_for
+from bench.results.environment import Calibration
+
+CALIBRATION_DIR = "calibration"
+MATMUL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long calibration may take. `quick` is what a run measures at its start."""
+
+    policy: TimingPolicy = field(default_factory=lambda: TimingPolicy(warmup=2, repeat=10, max_time_s=1.0))
+    target_call_s: float = 0.2  # grow the matmul from min_n until one call takes this long (or max_n)
+    # Square matmul sizes: large enough to reach the BLAS's steady rate (small ones are overhead-bound,
+    # and on a loaded CPU a small multithreaded call mostly waits for its threads).
+    min_n: dict[str, int] = field(default_factory=lambda: {"cpu": 1024, "cuda": 4096})
+    max_n: dict[str, int] = field(default_factory=lambda: {"cpu": 4096, "cuda": 16384})
+    copy_bytes: dict[str, int] = field(default_factory=lambda: {"cpu": 256 * 2**20, "cuda": 2**30})
+
+
+QUICK = Settings(TimingPolicy(warmup=1, repeat=5, max_time_s=0.5), 0.05, {"cpu": 512, "cuda": 4096},
+                 {"cpu": 2048, "cuda": 8192}, {"cpu": 64 * 2**20, "cuda": 512 * 2**20})
+
+
+def _brief(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: stats[k] for k in ("median", "rel_ci95", "n", "stopped_by")}
+
+
+def matmul_rate(device: str, dtype: str, settings: Settings, timer: Timer | None = None,
+                tf32: bool = False) -> dict[str, Any]:
+    """FLOP/s of a square (n, n) @ (n, n) matmul (2 n^3 FLOPs), n doubled from min_n until a call is long enough."""
+    import torch
+
+    timer = timer or timer_for(device)
+    torch_dtype = getattr(torch, dtype)
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        kind = device.split(":")[0]
+        n = settings.min_n[kind]
+        while True:
+            a = torch.randn(n, n, device=device).to(torch_dtype)
+            b = torch.randn(n, n, device=device).to(torch_dtype)
+            call = lambda a=a, b=b: a @ b  # noqa: E731
+            call()  # first call: library initialisation and kernel choice, never timed
+            if n >= settings.max_n[kind] or timer.time_call(call) >= settings.target_call_s:
+                break
+            n *= 2
+        stats = measure(call, settings.policy, timer)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+    return {"flops_per_s": 2.0 * n**3 / stats["median"], "n": n, "time_s": _brief(stats)}
+
+
+def copy_bandwidth(device: str, settings: Settings, timer: Timer | None = None) -> dict[str, Any]:
+    """Bytes/s of dst.copy_(src) over a buffer far larger than the caches, counting the read and the write."""
+    import torch
+
+    timer = timer or timer_for(device)
+    nbytes = settings.copy_bytes[device.split(":")[0]]
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    stats = measure(lambda: dst.copy_(src), settings.policy, timer)
+    return {"bytes_per_s": 2.0 * nbytes / stats["median"], "bytes": nbytes, "time_s": _brief(stats)}
+
+
+def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings | None = None,
+              timer: Timer | None = None) -> dict[str, Any]:
+    """Matmul rate per dtype (and TF32 on CUDA when float32 is asked) and copy bandwidth on `device`."""
+    import torch
+
+    from bench.measure.env import device_description
+    from bench.results.store import utc_now
+
+    settings = settings or Settings()
+    dtypes = list(dtypes or MATMUL_DTYPES)
+    matmul = {dtype: matmul_rate(device, dtype, settings, timer) for dtype in dtypes}
+    if device.startswith("cuda") and "float32" in dtypes:
+        matmul["tf32"] = matmul_rate(device, "float32", settings, timer, tf32=True)
+    return {"device": device_description(device), "backend": device.split(":")[0], "measured_at": utc_now(),
+            "torch_threads": torch.get_num_threads(), "matmul": matmul,
+            "copy": copy_bandwidth(device, settings, timer)}
+
+
+# --- storage -----------------------------------------------------------------------------------------------
+
+
+def calibration_path(results: Path, fingerprint: str) -> Path:
+    return Path(results) / CALIBRATION_DIR / f"{fingerprint}.json"
+
+
+def store(results: Path, fingerprint: str, calibration: dict[str, Any]) -> Path:
+    from bench.results.store import write_json_atomic
+
+    path = calibration_path(results, fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {**calibration, "fingerprint": fingerprint})
+    return path
+
+
+def load(results: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The stored calibration of this environment, or None. A damaged file is BadInput naming it."""
+    path = calibration_path(results, fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rates = {d: float(m["flops_per_s"]) for d, m in data["matmul"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BadInput(f"not a calibration file ({type(exc).__name__}: {exc}); run `bench calibrate` again",
+                       file=str(path)) from None
+    if data.get("fingerprint") != fingerprint or not all(r > 0 for r in rates.values()):
+        raise BadInput("fingerprint or rates do not match its name; run `bench calibrate` again", file=str(path))
+    return {**data, "source": str(path)}
+
+
+# --- the peak a record is compared with ----------------------------------------------------------------------
+
+
+def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
+             calibration: Calibration | None, gpu: tuple[str, int] | None = None) -> dict[str, Any] | None:
+    """The record's `peak`: calibrated when this machine was, else the datasheet of a known GPU, else None.
+
+    `gpu`: (name, memory bytes) of the CUDA device, looked up in bench.measure.hardware for the datasheet figure.
+    """
+    if not flops_per_s:
+        return None
+    rates = calibration.matmul if calibration is not None else {}
+    key = "tf32" if device.startswith("cuda") and dtype == "float32" and tf32 and "tf32" in rates else dtype
+    if key in rates:
+        peak = float(rates[key]["flops_per_s"])
+        return {"fraction": flops_per_s / peak, "peak_flops": peak, "source": "calibrated",
+                "hardware": f"{calibration.device if calibration else None} {key} matmul"}
+    if device.startswith("cuda") and gpu is not None:
+        from bench.measure.hardware import match_gpu
+
+        spec = match_gpu(*gpu)
+        if spec is not None:
+            peak, unit = spec.peak_flops(dtype, tf32)
+            return {"fraction": flops_per_s / peak, "peak_flops": peak, "source": "datasheet",
+                    "hardware": f"{spec.key} {unit}"}
+    return None
+
+
+def gpu_identity(device: str) -> tuple[str, int] | None:
+    """(name, memory bytes) of the current CUDA device, for datasheet lookup; None on CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.name, int(props.total_memory)
+
+
+def command(device: str, results: Path, quick: bool, dtypes: list[str], console: Any) -> int:
+    """`bench calibrate`: measure, store under the environment's fingerprint, print what was measured."""
+    from rich.table import Table
+
+    from bench.measure.env import capture
+
+    env = capture(backend=device)
+    result = calibrate(device, dtypes, QUICK if quick else Settings())
+    path = store(results, env.fingerprint or "", result)
+    table = Table(title=f"calibration of {result['device']} ({result['torch_threads']} torch threads)")
+    for column in ("what", "size", "rate", "median time", "95% CI half-width"):
+        table.add_column(column, justify="left" if column == "what" else "right")
+    for name, m in result["matmul"].items():
+        rel = m["time_s"]["rel_ci95"]
+        table.add_row(f"{name} matmul", f"n = {m['n']}", f"{m['flops_per_s'] / 1e9:.4g} GFLOP/s",
+                      f"{m['time_s']['median'] * 1e3:.4g} ms", f"{rel:.2%}" if rel is not None else "-")
+    c = result["copy"]
+    rel = c["time_s"]["rel_ci95"]
+    table.add_row("copy", f"{c['bytes'] / 2**20:g} MiB", f"{c['bytes_per_s'] / 1e9:.4g} GB/s",
+                  f"{c['time_s']['median'] * 1e3:.4g} ms", f"{rel:.2%}" if rel is not None else "-")
+    console.print(table)
+    console.print(f"stored: {path} (environment fingerprint {env.fingerprint}); runs into {results} with this "
+                  "fingerprint compare their FLOP rates with it")
+    return 0

@@ -1,0 +1,151 @@
+"""Capturing what the measurements were taken on: git state, host, CPU, GPUs, NVML, library versions.
+
+The result is `bench.results.environment.Environment` (run.json's `env`), whose fingerprint hashes only the
+fields that make timings comparable (hardware, driver, library versions), not the commit or the time, so two
+runs of different commits on the same machine share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench.measure.nvml import Nvml, shared, torch_uuid
+from bench.results.environment import Environment
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding bench/measure/
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_info(cwd: Path | None = None) -> dict[str, Any]:
+    """Commit, branch and dirty flag of the repository holding this code (or cwd's), or nulls."""
+    for where in ([cwd] if cwd else []) + [PROJECT_ROOT, Path.cwd()]:
+        commit = _git("rev-parse", "HEAD", cwd=where)
+        if commit:
+            branch = _git("rev-parse", "--abbrev-ref", "HEAD", cwd=where)
+            status = _git("status", "--porcelain", "--untracked-files=no", cwd=where)
+            return {"commit": commit, "branch": branch, "dirty": bool(status)}
+    return {"commit": None, "branch": None, "dirty": None}
+
+
+# Instruction-set features that change CPU matmul and attention speed (bf16 and AMX paths in oneDNN).
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model, cores (all and usable by this process), the ISA features that matter, torch's threads."""
+    import torch
+
+    model: str | None = None
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's lines suffice
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model is None:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    model = model or platform.processor() or None
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {"model": model, "logical_cores": os.cpu_count(), "usable_cores": usable,
+            "machine": platform.machine(), "features": [f for f in CPU_FEATURES if f in flags],
+            "torch_threads": torch.get_num_threads()}
+
+
+def versions() -> dict[str, Any]:
+    """Python, torch (and the CUDA, cuDNN and NCCL it was built with), triton and the numeric libraries."""
+    import torch
+
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "cudnn": None, "nccl": None}
+    if torch.cuda.is_available():
+        out["cudnn"] = torch.backends.cudnn.version()
+        with contextlib.suppress(Exception):  # torch built without NCCL
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    # Installed versions from the package metadata: importing triton here would fix its interpreter-or-compiled
+    # mode for the whole process before the Triton implementation could choose it.
+    for name in ("triton", "numpy", "scipy", "pydantic", "nvidia-ml-py"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def gpus(nvml: Nvml | None = None, torch_module: Any = None) -> list[dict[str, Any]]:
+    """One entry per GPU: what torch sees (index, SMs, capability, L2) joined by UUID with what NVML sees
+    (UUID, driver, memory, clocks current and max, power limit and draw, temperature, clock event reasons).
+
+    A GPU that NVML sees but torch does not (a CPU-only torch build) is listed with `cuda_index: null`.
+    """
+    if torch_module is None:
+        import torch as torch_module
+    nvml = nvml if nvml is not None else shared()
+    by_uuid = {g["uuid"]: g for g in nvml.all_gpus()}
+    driver = nvml.driver()["driver"]
+    out = []
+    if torch_module.cuda.is_available():
+        for index in range(torch_module.cuda.device_count()):
+            props = torch_module.cuda.get_device_properties(index)
+            uuid = torch_uuid(props)
+            seen = by_uuid.pop(f"GPU-{uuid}", None) or by_uuid.pop(f"MIG-{uuid}", None) or by_uuid.pop(uuid, None)
+            entry = {"cuda_index": index, "name": props.name, "memory_bytes": int(props.total_memory),
+                     "sm_count": props.multi_processor_count, "capability": f"{props.major}.{props.minor}",
+                     "l2_cache_bytes": getattr(props, "L2_cache_size", None), "driver": driver,
+                     "uuid": f"GPU-{uuid}" if uuid else None, "nvml": seen is not None}
+            if seen is not None:
+                entry.update({k: v for k, v in seen.items() if k not in ("name", "memory_bytes")})
+            out.append(entry)
+    for seen in by_uuid.values():  # visible to NVML only
+        out.append({"cuda_index": None, "driver": driver, "nvml": True, **seen})
+    return out
+
+
+def nvml_status(nvml: Nvml | None = None) -> dict[str, Any]:
+    """Whether NVML answered, why not, and the driver and driver-CUDA versions."""
+    nvml = nvml if nvml is not None else shared()
+    return {"available": nvml.available, "reason": nvml.reason, **nvml.driver()}
+
+
+def capture(backend: str, nvml: Nvml | None = None, torch_module: Any = None) -> Environment:
+    """The `env` of run.json. `backend` is the device kind the run measures on: cpu or cuda."""
+    nvml = nvml if nvml is not None else shared()
+    env = Environment.model_validate({
+        "git": git_info(),
+        "host": {"hostname": socket.gethostname(), "os": platform.platform()},
+        "cpu": cpu_info(),
+        "gpus": gpus(nvml, torch_module),
+        "nvml": nvml_status(nvml),
+        "versions": versions(),
+        "backend": backend,
+    })
+    return env.model_copy(update={"fingerprint": env.computed_fingerprint()})
+
+
+def device_description(device: str) -> str:
+    """Human-readable name of the device a record was measured on."""
+    if device.startswith("cuda"):
+        import torch
+
+        index = torch.cuda.current_device()
+        return f"cuda:{index} {torch.cuda.get_device_name(index)}"
+    return f"cpu: {cpu_info()['model']}"

@@ -1,0 +1,176 @@
+"""The record format (DESIGN.md "Records"), defined once for writing and for validating what is read.
+
+`run.json` holds a `RunInfo`; `records.jsonl` one `Record` per (case, impl) per line. Models are frozen and
+forbid unknown keys, so a foreign or corrupted file is named on load instead of half-read. Non-finite
+floats are written as null (JSON has no NaN); the `nonfinite` counts keep that information.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from bench.results.environment import Environment
+
+SCHEMA_VERSION = 1
+Status = Literal["ok", "skipped", "failed", "incorrect"]
+STATUSES: tuple[str, ...] = get_args(Status)
+# Why a `failed` record has no measurement: the implementation raised (error), ran out of memory, ran past the
+# suite's timeout_s, its process died, or its worker or ranks could not start.
+FailureKind = Literal["error", "out_of_memory", "timeout", "died", "startup"]
+StoppedBy = Literal["precision", "max_time", "max_samples", "blocks", "model"]
+MemoryMethod = Literal["cuda_max_memory_allocated", "rss_hwm", "model"]
+PeakSource = Literal["calibrated", "datasheet"]
+Source = Literal["measured", "modelled"]
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class TimeStats(BaseModel):
+    """Seconds per call. `samples` are every timed sample, in the order taken."""
+
+    model_config = _STRICT
+    median: float
+    min: float
+    max: float
+    mean: float
+    std: float
+    q1: float
+    q3: float
+    n: int
+    samples: list[float]
+    ci95: list[float] | None = None  # distribution-free 95% CI of the median
+    rel_ci95: float | None = None  # its half-width over the median: the achieved precision
+    stopped_by: StoppedBy | None = None  # blocks: interleaved A/B blocks (bench ab); model: bench model
+
+
+class MemoryInfo(BaseModel):
+    model_config = _STRICT
+    peak_bytes: int | None
+    method: MemoryMethod | None = None
+    note: str | None = None
+
+
+class CommOp(BaseModel):
+    """Bytes one collective kind moved, summed over its calls (ring accounting, as nccl-tests)."""
+
+    model_config = _STRICT
+    calls: int
+    bytes_total: int  # sent by all ranks
+    bytes_max_rank: int  # sent by the busiest rank
+    time_s: float | None = None  # summed op time on the slowest rank
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = None
+
+
+class CommInfo(BaseModel):
+    model_config = _STRICT
+    backend: Literal["gloo", "nccl", "model"]
+    bytes_total: int
+    bytes_max_rank: int
+    by_op: dict[str, CommOp]
+    expected_bytes: int | None = None  # the implementation's closed form
+    world_size: int | None = None
+    bytes_per_rank: list[int] | None = None
+
+
+class GradError(BaseModel):
+    model_config = _STRICT
+    max_abs: float | None
+    rel_l2: float | None
+    tolerance: float
+    nonfinite: int = 0
+
+
+class ErrorInfo(BaseModel):
+    model_config = _STRICT
+    max_abs: float | None
+    rel_l2: float | None
+    tolerance: float
+    rows_checked: int
+    nonfinite: int = 0
+    grads: dict[str, GradError] | None = None  # dq, dk, dv in mode fwd_bwd
+
+
+class PeakInfo(BaseModel):
+    """Achieved FLOP rate as a fraction of the device's peak, and where that peak came from."""
+
+    model_config = _STRICT
+    fraction: float
+    peak_flops: float
+    source: PeakSource
+    hardware: str | None = None
+
+
+class SetupTimes(BaseModel):
+    """Where setup time went: the phases an implementation marks (bench.registry.setup_phase), and the first
+    call without them. None: the implementation marked no such phase."""
+
+    model_config = _STRICT
+    mask_s: float | None = None  # masks, layouts, lookup tables (FlexAttention's BlockMask, our tile tables)
+    compile_s: float | None = None  # compilation and autotuning
+    first_call_s: float | None = None
+
+
+class Record(BaseModel):
+    model_config = _STRICT
+    schema_version: int = SCHEMA_VERSION
+    case_id: str
+    impl: str
+    params: dict[str, Any]
+    status: Status
+    reason: str | None = None
+    time_s: TimeStats | None = None
+    setup_s: float | None = None  # prepare + the first call
+    setup: SetupTimes | None = None
+    memory: MemoryInfo | None = None
+    comm: CommInfo | None = None
+    error: ErrorInfo | None = None
+    flops: float | None = None  # useful FLOPs per call
+    density: float | None = None
+    block_density: float | None = None
+    # Beyond the contract's minimum: provenance and derived figures.
+    source: Source = "measured"
+    failure: FailureKind | None = None  # why a failed record has no measurement
+    device: str | None = None  # e.g. "cpu: AMD EPYC 7B13" or "cuda:0 NVIDIA H200"
+    interpreter: bool = False  # Triton kernels run through the CPU interpreter: not kernel speed
+    flops_dense: float | None = None
+    flops_per_s: float | None = None
+    peak: PeakInfo | None = None
+    config: dict[str, Any] | None = None  # implementation-specific (autotuned config, ...)
+    env: dict[str, Any] | None = None  # device state sampled around the measurement (clocks, throttling)
+    details: str | None = None  # traceback tail of a failure
+    started_at: str | None = None
+    wall_s: float | None = None  # wall time spent on this (case, impl), all phases
+
+    @model_validator(mode="before")
+    @classmethod
+    def _failure_of_old_records(cls, data: Any) -> Any:
+        """Records written before `failure` existed said "out of memory" in their reason only."""
+        if isinstance(data, dict) and data.get("status") == "failed" and "failure" not in data:
+            reason = str(data.get("reason") or "").lower()
+            return {**data, "failure": "out_of_memory" if reason.startswith("out of memory") else "error"}
+        return data
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+class SuiteInfo(BaseModel):
+    model_config = _STRICT
+    name: str
+    file: str | None = None
+    content: dict[str, Any]
+
+
+class RunInfo(BaseModel):
+    model_config = _STRICT
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    suite: SuiteInfo
+    started_at: str
+    finished_at: str | None = None
+    env: Environment
+    source: Source = "measured"
+    command: list[str] | None = None

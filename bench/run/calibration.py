@@ -1,0 +1,67 @@
+"""The calibration a run compares its records with: measured at its start in a child process, or stored.
+
+With `measure: {calibrate: true}` the runner measures a quick calibration (bench.measure.calibrate) in a child
+(bench.run.child), so that a GPU context is not kept in the runner; otherwise it uses the one `bench calibrate`
+stored for this environment's fingerprint, if any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.measure.calibrate import MATMUL_DTYPES, QUICK, Settings, calibrate, load
+from bench.run.child import Child, ChildSide, describe_exit
+
+CALIBRATION_MODULE = "bench.run.calibration"
+
+
+def measure_in_child(device: str, dtypes: list[str], timeout_s: float = 900.0) -> dict[str, Any]:
+    """A quick calibration in a child process (bench.run.child); {"error": ...} instead of raising."""
+    child = Child(CALIBRATION_MODULE, ["--device", device, "--quick", "--dtype", ",".join(dtypes)])
+    try:
+        answer = child.receive(time.monotonic() + timeout_s)
+        if answer is None:
+            if child.poll() is None:
+                return {"error": f"calibration timed out after {timeout_s:g} s"}
+            return {"error": f"calibration failed ({describe_exit(child.wait(1.0))})"}
+        if answer.get("error"):
+            return {"error": f"calibration failed: {answer['error']}"}
+        return {**answer["result"], "source": "measured at the start of this run"}
+    finally:
+        child.close(grace_s=5.0)
+
+
+def for_run(calibrate_now: bool, backend: str, dtypes: list[str], results: Path, fingerprint: str
+            ) -> dict[str, Any] | None:
+    """The calibration a new run uses: measured now when the suite asks, else the stored one, else None."""
+    if calibrate_now:
+        return measure_in_child(backend, dtypes)
+    return load(results, fingerprint)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child side of `measure_in_child`: calibrate and send the result (or the error) up the pipe."""
+    parser = argparse.ArgumentParser(prog=f"python -m {CALIBRATION_MODULE}")
+    ChildSide.add_arguments(parser)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=",".join(MATMUL_DTYPES))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    side = ChildSide.from_args(args)
+    if not side.start():
+        return 1
+    try:
+        result = calibrate(args.device, args.dtype.split(","), QUICK if args.quick else Settings())
+    except Exception as exc:
+        side.send({"type": "result", "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    side.send({"type": "result", "result": result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

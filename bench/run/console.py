@@ -1,0 +1,105 @@
+"""Terminal output: a progress bar over the sweep, and the summary table at the end.
+
+On a terminal a rich progress bar shows the (case, impl) being measured, elapsed and remaining time; when
+output is not a terminal each finished (case, impl) is one plain line, which CI logs keep readable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from bench.format import format_seconds
+from bench.results.records import Record
+from bench.terminal import STATUS_STYLE
+
+
+def describe(record: Record) -> str:
+    """One line for a finished (case, impl)."""
+    if record.status == "ok" and record.time_s:
+        extra = " (interpreter)" if record.interpreter else ""
+        return f"ok {format_seconds(record.time_s.median)}{extra}"
+    return f"{record.status}: {record.reason}"
+
+
+class Reporter:
+    """Progress over the (case, impl) pairs of a run."""
+
+    def __init__(self, total: int, console: Console) -> None:
+        self.console = console
+        self.total = total
+        self.done = 0
+        self.live = console.is_terminal
+        self._progress: Progress | None = None
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                console=console, transient=False,
+            )
+            self._task = self._progress.add_task("starting", total=total)
+            self._progress.start()
+
+    def start(self, case_label: str, impl: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=f"{case_label} | {impl}")
+
+    def finish(self, case_label: str, record: Record) -> None:
+        self.done += 1
+        line = f"[{self.done}/{self.total}] {case_label} | {record.impl}: {describe(record)}"
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+            self._progress.advance(self._task)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def summary_table(records: Iterable[Record], case_labels: dict[str, str], impls: list[str]) -> Table:
+    """Median time per implementation per case, with the status where a case did not run ok."""
+    by_pair = {(r.case_id, r.impl): r for r in records}
+    table = Table(title="median time per call (status where not ok)", show_lines=False)
+    table.add_column("case", no_wrap=True)
+    for name in impls:
+        table.add_column(escape(name), justify="right")
+    interpreter = False
+    for case_id, label in case_labels.items():
+        cells = []
+        for name in impls:
+            r = by_pair.get((case_id, name))
+            if r is None:
+                cells.append("-")
+            elif r.status == "ok" and r.time_s:
+                mark = "*" if r.interpreter else ""
+                interpreter |= r.interpreter
+                cells.append(f"[green]{format_seconds(r.time_s.median)}{mark}[/]")
+            else:
+                cells.append(f"[{STATUS_STYLE[r.status]}]{r.status}[/]")
+        table.add_row(escape(label), *cells)
+    if interpreter:
+        table.caption = "* Triton interpreter on CPU: correctness only, not kernel speed"
+    return table
+
+
+def print_summary(console: Console, records: list[Record], case_labels: dict[str, str], impls: list[str]) -> None:
+    console.print(summary_table(records, case_labels, impls))
+    counts = {s: sum(r.status == s for r in records) for s in STATUS_STYLE}
+    console.print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    for r in records:
+        if r.status in ("failed", "incorrect"):
+            console.print(f"[{STATUS_STYLE[r.status]}]{r.status}[/] {escape(r.case_id)} {escape(r.impl)}: "
+                          f"{escape(r.reason or '')}", highlight=False)

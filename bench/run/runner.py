@@ -1,0 +1,247 @@
+"""`bench run`: sweep a suite's (case, impl) pairs, each measured in an isolated worker, records to disk.
+
+Isolation: a worker process measures pairs one after another; when one times out or kills its process, the
+runner records it as failed, kills the worker's process group and starts a fresh worker for the next pair. A
+worker that cannot start at all (a plugin that fails to import inside it) gives a `failed` record with that
+cause for each pair it was to measure. Every record is appended to records.jsonl and fsynced as soon as it
+exists, so a run killed at any moment keeps everything measured so far, and `--resume` measures only what is
+missing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench import registry
+from bench.errors import BadInput
+from bench.measure.env import capture
+from bench.measure.task import MeasureSettings, Task
+from bench.results.environment import Calibration
+from bench.results.records import FailureKind, Record, RunInfo, SuiteInfo
+from bench.results.store import (
+    RECORDS,
+    RUN_JSON,
+    RecordWriter,
+    create_run_dir,
+    drop_torn_tail,
+    read_records,
+    read_run_info,
+    utc_now,
+    write_json_atomic,
+)
+from bench.run import calibration, torchrun
+from bench.run.console import Reporter, print_summary
+from bench.run.ranks import run_pair
+from bench.run.worker import WorkerProcess, WorkerStartError
+from bench.spec.case import Case, resolve_device
+from bench.spec.suite import Suite, load_suite
+
+
+@dataclass
+class RunOptions:
+    suite: Path | Suite  # a suite file, or one parsed already (bench.api.run)
+    impls: list[str] = field(default_factory=list)  # --impl: restrict to these
+    device: str | None = None  # --device: overrides every case's device
+    out: Path = Path("results")
+    resume: Path | None = None
+    dry_run: bool = False
+
+
+@dataclass
+class Pair:
+    case: Case  # as written in the suite (device may be "auto")
+    impl: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.case.case_id, self.impl)
+
+
+def select_impls(suite: Suite, wanted: list[str]) -> list[str]:
+    if not wanted:
+        return list(suite.impls)
+    known = registry.names()
+    for name in wanted:
+        if name not in known:
+            raise BadInput(f"got {name!r}; known implementations: {', '.join(sorted(known))}", field="--impl")
+    return list(dict.fromkeys(wanted))
+
+
+def resolved(case: Case, device_override: str | None) -> Case:
+    return case.with_device(resolve_device(device_override or case.device))
+
+
+def failed_record(pair: Pair, reason: str, started: str, kind: FailureKind) -> Record:
+    return Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(), status="failed",
+                  reason=reason, started_at=started, failure=kind)
+
+
+def task_for(pair: Pair, device: str | None, settings: MeasureSettings) -> Task:
+    return Task.of(resolved(pair.case, device), pair.impl, settings, written=pair.case)
+
+
+def plugin_specs(suite: Suite) -> list[tuple[str, str | None]]:
+    """(spec, directory it is relative to) of each plugin, as children load them."""
+    return [(spec, str(suite.path.parent) if suite.path else None) for spec in suite.plugins]
+
+
+class PairMeasurer:
+    """Measures single-process pairs in one warm worker, replacing it after a crash or a timeout."""
+
+    def __init__(self, plugins: list[tuple[str, str | None]], log_path: Path | None, timeout_s: float) -> None:
+        self.plugins, self.log_path, self.timeout_s = plugins, log_path, timeout_s
+        self.worker: WorkerProcess | None = None
+        self.start_failure: str | None = None  # the cause, once a worker could not start: the same for the rest
+
+    def measure(self, pair: Pair, task: Task, started: str) -> Record:
+        if self.start_failure is not None:
+            return failed_record(pair, self.start_failure, started, "startup")
+        if self.worker is None:
+            try:
+                self.worker = WorkerProcess(self.plugins, self.log_path)
+            except WorkerStartError as exc:
+                self.start_failure = exc.reason
+                return failed_record(pair, exc.reason, started, "startup")
+        outcome = self.worker.run(task, self.timeout_s)
+        if outcome.record is not None:
+            return Record.model_validate(outcome.record)
+        self.worker = None  # it was killed; the next pair gets a fresh one
+        return failed_record(pair, outcome.failure or "worker failed", started, outcome.kind)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def run(options: RunOptions, console: Console, on_record: Callable[[Record], None] | None = None) -> int:
+    """Run a suite; returns the exit code (0 all ok or skipped, 1 any failed or incorrect)."""
+    suite = load_suite(options.suite) if isinstance(options.suite, Path) else options.suite
+    impls = select_impls(suite, options.impls)
+    pairs = [Pair(case, impl) for case in suite.cases for impl in impls]
+    if options.dry_run:
+        _print_plan(console, suite, impls, options.device)
+        return 0
+
+    session = torchrun.Session(suite.measure.timeout_s, _backend(suite, options.device) == "cuda") \
+        if torchrun.launched() else None
+    if session is not None and not session.leader:
+        return session.follow()  # the leader (rank 0) announces each pair and writes every record
+
+    if options.resume is not None:
+        run_dir, existing = _open_for_resume(options.resume, suite, console)
+    else:
+        run_dir, existing = _create_run(options, suite, console), []
+    done = {(r.case_id, r.impl) for r in existing}
+    todo = [p for p in pairs if p.key not in done]
+
+    labels = {c.case_id: c.label for c in suite.cases}
+    plugins = plugin_specs(suite)
+    settings = MeasureSettings(**suite.measure.model_dump(), calibration=read_run_info(run_dir).env.calibration)
+    reporter = Reporter(len(todo), console)
+    new_records: list[Record] = []
+    measurer = PairMeasurer(plugins, run_dir / "worker.log", suite.measure.timeout_s)
+    try:
+        with RecordWriter(run_dir / RECORDS) as writer:
+            for pair in todo:
+                task = task_for(pair, options.device, settings)
+                reporter.start(labels[pair.case.case_id], pair.impl)
+                started = utc_now()
+                # Under torchrun the launcher's ranks measure it; None: a single-process pair, for the worker.
+                record = session.measure(task) if session is not None else None
+                if record is None and task.case["world_size"] > 1:
+                    record = run_pair(task, plugins, suite.measure.timeout_s, run_dir / "ranks.log")
+                elif record is None:
+                    record = measurer.measure(pair, task, started)
+                writer.append(record)
+                new_records.append(record)
+                reporter.finish(labels[pair.case.case_id], record)
+                if on_record is not None:
+                    on_record(record)
+    finally:
+        reporter.close()
+        measurer.close()
+        if session is not None:
+            session.finish()
+
+    info = read_run_info(run_dir)
+    write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json", by_alias=True), "finished_at": utc_now()})
+    all_records = existing + new_records
+    print_summary(console, all_records, labels, impls)
+    console.print(f"results: {run_dir}")
+    return 1 if any(r.status in ("failed", "incorrect") for r in all_records) else 0
+
+
+def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
+    backend = _backend(suite, options.device)
+    env = capture(backend=backend)
+    if suite.measure.calibrate:
+        console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
+    dtypes = sorted({c.dtype for c in suite.cases})
+    calibrated = calibration.for_run(suite.measure.calibrate, backend, dtypes, options.out, env.fingerprint or "")
+    if calibrated is not None:
+        env = env.model_copy(update={"calibration": Calibration.model_validate(calibrated)})
+        if calibrated.get("error"):
+            console.print(f"[yellow]warning:[/] {calibrated['error']}; peaks fall back to datasheets")
+    commit = env.git.commit or "nogit"
+    run_id, run_dir = create_run_dir(options.out, suite.name, commit)
+    suite_file = str(suite.path) if suite.path else None
+    info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=suite_file, content=suite.content),
+                   started_at=utc_now(), finished_at=None, env=env, command=sys.argv[1:] or None)
+    write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json", by_alias=True))
+    (run_dir / RECORDS).touch()
+    return run_dir
+
+
+def _backend(suite: Suite, device_override: str | None) -> str:
+    devices = {resolve_device(device_override or c.device) for c in suite.cases}
+    return "cuda" if "cuda" in devices else "cpu"
+
+
+def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
+    info = read_run_info(run_dir)
+    if info.source != "measured":
+        raise BadInput(f"a {info.source} run (bench model); only measured runs can be resumed",
+                       file=str(run_dir), field="--resume")
+    if info.suite.name != suite.name or info.suite.content != suite.content:
+        raise BadInput(f"the run was made from suite {info.suite.name!r} with other content; resume it with the "
+                       "same suite file", file=str(run_dir), field="--resume")
+    records_path = run_dir / RECORDS
+    if records_path.exists():
+        torn = drop_torn_tail(records_path)
+        if torn:
+            console.print(f"[yellow]warning:[/] {records_path}: dropped a torn last line ({torn} bytes); "
+                          "its (case, impl) will be measured again")
+        existing = read_records(records_path).records
+    else:
+        existing = []
+    # Keep one record per pair if an earlier resume raced; the first written wins.
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for r in existing:
+        if (r.case_id, r.impl) not in seen:
+            seen.add((r.case_id, r.impl))
+            unique.append(r)
+    return run_dir, unique
+
+
+def _print_plan(console: Console, suite: Suite, impls: list[str], device: str | None) -> None:
+    table = Table(title=f"suite {suite.name}: {len(suite.cases)} cases x {len(impls)} implementations")
+    table.add_column("#", justify="right")
+    table.add_column("case_id", no_wrap=True)
+    table.add_column("device")
+    for index, case in enumerate(suite.cases):
+        table.add_row(str(index), case.case_id, resolve_device(device or case.device))
+    console.print(table)
+    avail = []
+    for name in impls:
+        impl = registry.get(name)
+        why = impl.unavailable()
+        avail.append(f"{name} ({'available' if why is None else 'unavailable: ' + why})")
+    console.print("implementations: " + "; ".join(avail))
+    console.print(f"{len(suite.cases) * len(impls)} (case, impl) pairs; nothing was run (--dry-run)")

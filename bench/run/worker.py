@@ -1,0 +1,207 @@
+"""Worker processes: measurements run in a child the runner can kill and replace (`bench.run.child`).
+
+The runner sends `Measure` tasks and gets `PhaseChanged` and `RecordDone` messages back; `bench ab` opens a
+pair, asks for short timed `Block`s of it interleaved with another checkout's worker, and `Close`s it for its
+record. A worker that cannot start (a plugin that fails to import, say) says why in its `Ready` message; the
+runner then writes a `failed` record with that cause for each pair the worker was to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from bench.measure.task import Task
+from bench.results.records import FailureKind
+from bench.run import messages
+from bench.run.child import STARTUP_TIMEOUT_S, Child, ChildSide, describe_exit
+
+WORKER_MODULE = "bench.run.worker"
+
+
+class WorkerStartError(Exception):
+    """The worker could not start; `reason` is the cause (the plugin's error, or how the process ended)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Outcome:
+    """What came back for one task: a record (JSON object), or why none did."""
+
+    record: dict[str, Any] | None
+    failure: str | None = None
+    phase: str | None = None
+    kind: FailureKind = "error"  # what happened when there is no record: timeout | died
+
+
+class WorkerProcess:
+    """The runner's handle on one worker: started at construction (raises WorkerStartError), then tasks."""
+
+    def __init__(self, plugins: list[tuple[str, str | None]], log_path: Path | None = None, *,
+                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+        import json
+
+        args = ["--plugins", json.dumps(plugins)]
+        self.child = Child(WORKER_MODULE, args, env=env, log_path=log_path, with_tasks=True, cwd=cwd)
+        first = self.child.receive(time.monotonic() + STARTUP_TIMEOUT_S)
+        ready = _parse(first)
+        if not isinstance(ready, messages.Ready) or ready.error:
+            status = describe_exit(self.child.wait(1.0))
+            self.child.kill()
+            if isinstance(ready, messages.Ready) and ready.error:
+                raise WorkerStartError(f"worker could not start: {ready.error}")
+            raise WorkerStartError(f"worker process failed to start ({status}); see the run's worker.log")
+        self.protocol = ready.protocol
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def _ask(self, message: BaseModel, timeout_s: float, want: type, phase: str = "start") -> tuple[Any, Outcome]:
+        """Send `message`; (the answer of type `want`, or None with the Outcome saying why) within timeout_s.
+
+        On a timeout or a death the worker is killed.
+        """
+        if not self.child.send(message):
+            code = self.child.poll()
+            self.child.kill()
+            return None, Outcome(None, f"worker process died before the {message.type} started "  # type: ignore
+                                       f"({describe_exit(code)})", phase, "died")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = _parse(self.child.receive(deadline))
+            if answer is None:
+                if not self.child.closed:  # still running, silent past the deadline
+                    self.child.kill()
+                    return None, Outcome(None, f"timed out after {timeout_s:g} s during {phase}; worker killed",
+                                         phase, "timeout")
+                code = self.child.wait(10.0)  # it closed its pipe: it died (or is dying)
+                self.child.kill()
+                return None, Outcome(None, f"worker process died during {phase} ({describe_exit(code)})", phase,
+                                     "died")
+            if isinstance(answer, messages.PhaseChanged):
+                phase = answer.phase
+            elif isinstance(answer, want):
+                return answer, Outcome(getattr(answer, "record", None), None, phase)
+
+    def run(self, task: Task, timeout_s: float) -> Outcome:
+        """Measure one task; wait for its record at most timeout_s."""
+        return self._ask(messages.Measure(task=task), timeout_s, messages.RecordDone)[1]
+
+    # --- A/B: a pair kept open between blocks ---
+
+    def open(self, task: Task, timeout_s: float, warmup: int = 1) -> tuple[bool, Outcome]:
+        """Prepare a pair and keep it warm: (open, outcome); not open: the outcome has the record (skipped,
+        failed) or why there is none."""
+        answer, outcome = self._ask(messages.Open(task=task, warmup=warmup), timeout_s, messages.Opened)
+        return answer is not None and answer.record is None, outcome
+
+    def block(self, calls: int, min_s: float, timeout_s: float) -> list[float] | Outcome:
+        """One block's samples, or the Outcome saying why there are none (the worker was killed)."""
+        answer, outcome = self._ask(messages.Block(calls=calls, min_s=min_s), timeout_s, messages.Samples, "timing")
+        return answer.samples if answer is not None else outcome
+
+    def close_pair(self, timeout_s: float) -> Outcome:
+        """The open pair's record (memory measured, every block's samples)."""
+        return self._ask(messages.Close(), timeout_s, messages.RecordDone, "memory")[1]
+
+    def kill(self) -> None:
+        self.child.kill()
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not within a few seconds."""
+        self.child.close(messages.Exit().model_dump())
+
+
+def _parse(obj: dict[str, Any] | None) -> Any:
+    if obj is None:
+        return None
+    try:
+        return messages.from_child(obj)
+    except ValueError:
+        return messages.PhaseChanged(phase=f"sending a message this runner cannot read: {str(obj)[:200]}")
+
+
+# --- the worker side ---------------------------------------------------------------------------------------
+
+
+def serve(side: ChildSide) -> int:
+    """Answer the runner's messages until Exit or the end of the task pipe."""
+    from bench.measure.pair import CaseCache, PairSession, measure_task
+
+    cache = CaseCache()
+    session: PairSession | None = None
+
+    def phase(name: str) -> None:
+        side.send(messages.PhaseChanged(phase=name))
+
+    for obj in side.tasks():
+        message = messages.to_worker(obj)
+        if isinstance(message, messages.Exit):
+            break
+        if isinstance(message, messages.Measure):
+            record = measure_task(message.task, cache, phase)
+            side.send(messages.RecordDone(record=record.model_dump(mode="json")))
+        elif isinstance(message, messages.Open):
+            session = PairSession(message.task, cache, phase)
+            final = session.open()
+            if final is None:
+                try:
+                    session.warm_up(message.warmup)
+                except Exception as exc:
+                    final = session.failed(exc)
+            if final is not None:
+                session = None
+            side.send(messages.Opened(record=None if final is None else final.model_dump(mode="json")))
+        elif isinstance(message, messages.Block):
+            assert session is not None, "a block without an open pair"
+            side.send(messages.Samples(samples=session.block(message.calls, message.min_s)))
+        elif isinstance(message, messages.Close):
+            assert session is not None, "close without an open pair"
+            side.send(messages.RecordDone(record=session.close_blocks().model_dump(mode="json")))
+            session = None
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=WORKER_MODULE)
+    ChildSide.add_arguments(parser)
+    parser.add_argument("--plugins", default="[]")
+    args = parser.parse_args(argv)
+    side = ChildSide.from_args(args)
+    if not side.start():
+        return 1
+    try:
+        import json
+
+        from bench.plugins import load_plugin
+        from bench.registry import names
+
+        for spec, base in json.loads(args.plugins):
+            load_plugin(spec, base_dir=Path(base) if base else None, file="plugin", field=spec)
+        names()  # import the built-in implementations once, before the first task's clock starts
+        # Everything imported so far lives as long as the worker: keep it out of the collections that
+        # memory measurement triggers (a full gc over torch's objects costs ~0.5 s per pair).
+        gc.freeze()
+    except Exception as exc:
+        from bench.errors import BadInput
+
+        detail = exc.detail if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
+        side.send(messages.Ready(error=detail))
+        return 1
+    side.send(messages.Ready())
+    return serve(side)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""What to measure: suite files (`suite`) validated and expanded into cases (`case`)."""

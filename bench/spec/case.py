@@ -1,0 +1,149 @@
+"""A case: one point of a sweep. Every field of docs/DESIGN.md's case table, with its default."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from bench.patterns import PATTERN_FIELDS, Pattern, make_pattern
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MODES = ("fwd", "fwd_bwd")
+DEVICES = ("auto", "cpu", "cuda")
+_DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+# Fields added after the first release. Left at their default they stay out of a case's id digest, so the
+# cases of older suites keep their ids (and their history) across the addition.
+_LATER_FIELDS = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0, "image_width": None}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    seq_len: int = 1024
+    dtype: str = "float32"
+    pattern: str = "local"
+    window: int = 64
+    density: float | None = None
+    block_size: int = 64
+    dilation: int = 1
+    global_tokens: int = 0
+    seed: int = 0
+    mode: str = "fwd"
+    checkpoint: bool = False
+    world_size: int = 1
+    device: str = "auto"
+    kv_heads: int | None = None  # None: = heads; fewer is grouped-query attention
+    q_len: int | None = None  # None: = seq_len; the last q_len positions are the queries
+    documents: int | tuple[int, ...] | None = None  # packed documents: a count or the lengths
+    prefix: int = 0  # prefix_lm
+    image_width: int | None = None  # neighborhood: tokens per image row
+
+    def __post_init__(self) -> None:
+        if isinstance(self.documents, list):  # frozen and hashable: lengths as a tuple
+            object.__setattr__(self, "documents", tuple(self.documents))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def params(self) -> dict[str, Any]:
+        """Every case field, in declaration order (the record's `params`); document lengths as a list."""
+        out = asdict(self)
+        if isinstance(out["documents"], tuple):
+            out["documents"] = list(out["documents"])
+        return out
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Heads of K and V: kv_heads, or heads without grouped-query attention."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def n_queries(self) -> int:
+        """Query rows: q_len, or seq_len."""
+        return self.seq_len if self.q_len is None else self.q_len
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.n_kv_heads
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element of the case's dtype."""
+        return ELEMENT_BYTES[self.dtype]
+
+    def score_bytes(self, element_bytes: int = 4) -> int:
+        """Bytes of one (B, H, q_len, N) score matrix (float32 by default: low precision accumulates in it)."""
+        return self.batch * self.heads * self.n_queries * self.seq_len * element_bytes
+
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.n_queries, self.head_dim)
+
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.n_kv_heads, self.seq_len, self.head_dim)
+
+    def pattern_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in PATTERN_FIELDS}
+
+    def make_pattern(self) -> Pattern:
+        return make_pattern(self.pattern, self.seq_len, q_len=self.q_len, documents=self.documents,
+                            **self.pattern_fields())
+
+    def pattern_label(self) -> str:
+        return self.make_pattern().label
+
+    def _digest_params(self) -> dict[str, Any]:
+        params = self.params()
+        same = {"kv_heads": self.heads, "q_len": self.seq_len}  # written out, they mean the default
+        for name, default in _LATER_FIELDS.items():
+            if params[name] == default or params[name] == same.get(name):
+                del params[name]
+        return params
+
+    @property
+    def case_id(self) -> str:
+        """Readable and stable: the same parameters give the same id in every run, on every machine."""
+        digest = hashlib.sha1(json.dumps(self._digest_params(), sort_keys=True).encode()).hexdigest()[:8]
+        kv = f"kv{self.kv_heads}" if self.kv_heads is not None and self.kv_heads != self.heads else ""
+        q = f"q{self.q_len}" if self.q_len is not None and self.q_len != self.seq_len else ""
+        parts = [self.pattern_label(), f"n{self.seq_len}{q}",
+                 f"b{self.batch}h{self.heads}{kv}d{self.head_dim}", _DTYPE_SHORT[self.dtype], self.mode]
+        if self.checkpoint:
+            parts.append("ckpt")
+        if self.world_size > 1:
+            parts.append(f"p{self.world_size}")
+        parts.append(digest)
+        return "-".join(parts)
+
+    @property
+    def label(self) -> str:
+        """Short label for tables: pattern, shape and mode, e.g. `causal N=4096 q=16 B1H32/8D128 bf16 fwd`."""
+        extra = " ckpt" if self.checkpoint else ""
+        world = f" P={self.world_size}" if self.world_size > 1 else ""
+        q = f" q={self.q_len}" if self.q_len is not None and self.q_len != self.seq_len else ""
+        kv = f"/{self.kv_heads}" if self.kv_heads is not None and self.kv_heads != self.heads else ""
+        return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "
+                f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}")
+
+    def with_device(self, device: str) -> Case:
+        return replace(self, device=device)
+
+
+def resolve_device(requested: str) -> str:
+    """`auto` is cuda when a GPU is visible, else cpu."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
