@@ -14,8 +14,8 @@ from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.measure.pair import prepare_call, skip_reason
 from bench.measure.reference import check_shapes
+from bench.measure.steps import prepare_call, skip_reason
 from bench.patterns import Pattern
 from bench.results.records import Record
 from bench.spec.case import DTYPES, Case

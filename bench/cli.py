@@ -1,4 +1,4 @@
-"""The `bench` command line (DESIGN.md "Command line").
+"""The `bench` command line (docs/DESIGN.md "Command line").
 
 Exit codes: 0 success; 1 a run had a failed or incorrect case, or compare found a regression; 2 bad input,
 printed as one message naming the file, the field, the value given and what is allowed - no traceback.

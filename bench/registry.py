@@ -143,7 +143,7 @@ class Impl:
         raise NotImplementedError
 
     def tf32(self, case: Case) -> bool:
-        """Whether float32 inputs go through TF32 matmuls (looser tolerance, DESIGN.md)."""
+        """Whether float32 inputs go through TF32 matmuls (looser tolerance, docs/DESIGN.md)."""
         return False
 
     def record_extras(self) -> dict[str, object]:

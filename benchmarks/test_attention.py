@@ -15,16 +15,10 @@ import torch
 
 from bench import registry
 from bench.errors import Unavailable
+from bench.measure.check import check_against_oracle
 from bench.measure.flops import useful_flops
-from bench.measure.pair import (
-    CaseCache,
-    check_against_oracle,
-    make_inputs,
-    prepare_call,
-    skip_reason,
-    timed_step,
-    upstream_grad,
-)
+from bench.measure.pair import CaseCache
+from bench.measure.steps import make_inputs, prepare_call, skip_reason, timed_step, upstream_grad
 from bench.spec.case import Case, resolve_device
 
 

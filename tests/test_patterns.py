@@ -1,4 +1,4 @@
-"""Patterns: every view agrees exactly with the others and with the table's formula (DESIGN.md)."""
+"""Patterns: every view agrees exactly with the others and with the table's formula (docs/DESIGN.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ FIELDS = dict(window=12, density=0.3, block_size=16, dilation=3, global_tokens=2
 
 
 def table_formula(name: str, n: int, f: dict) -> torch.Tensor:
-    """The table of DESIGN.md written out pair by pair (deterministic patterns)."""
+    """The table of docs/DESIGN.md written out pair by pair (deterministic patterns)."""
     w, d, g = f["window"], f["dilation"], f["global_tokens"]
     rule = {
         "dense": lambda i, j: True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from rich.console import Console
 from rich.markup import escape
@@ -38,9 +39,11 @@ def time_table(comparison: Comparison) -> Table:
     c = comparison
     table = Table(title=f"time per call, NEW vs BASE (threshold {c.threshold_pct:g}%, "
                         f"{cs.CONFIDENCE:.0%} bootstrap interval, Mann-Whitney U, BH-corrected at {c.alpha:g})")
-    for name, justify in (("case", "left"), ("impl", "left"), ("base", "right"), ("new", "right"),
+    columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
+        ("case", "left"), ("impl", "left"), ("base", "right"), ("new", "right"),
                           ("ratio", "right"), ("interval", "right"), ("p", "right"), ("q", "right"),
-                          ("verdict", "left")):
+                          ("verdict", "left"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
     for pair in c.pairs:
         if pair.time is None:

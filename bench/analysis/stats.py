@@ -120,9 +120,10 @@ def compare_runs(base_runs: Sequence[Sequence[float]], new_runs: Sequence[Sequen
     med_b = float(np.median(b)) if len(b) else math.nan
     med_n = float(np.median(n)) if len(n) else math.nan
     ratio = med_n / med_b if len(b) and len(n) else math.nan
-    counts = {"runs_base": len(b_runs), "runs_new": len(n_runs)}
+    runs_base, runs_new = len(b_runs), len(n_runs)
     if len(b) < MIN_SAMPLES or len(n) < MIN_SAMPLES:
-        return TimeTest(len(b), len(n), med_b, med_n, ratio, math.nan, math.nan, 1.0, **counts,
+        return TimeTest(len(b), len(n), med_b, med_n, ratio, math.nan, math.nan, 1.0, runs_base=runs_base,
+                        runs_new=runs_new,
                         note=f"too few samples ({len(b)} and {len(n)}; need {MIN_SAMPLES} on each side)")
     rng = np.random.default_rng(seed)
     if len(b_runs) == 1 and len(n_runs) == 1:
@@ -138,7 +139,8 @@ def compare_runs(base_runs: Sequence[Sequence[float]], new_runs: Sequence[Sequen
     p = float(stats.mannwhitneyu(n, b, alternative="two-sided").pvalue)
     if not math.isfinite(p):  # every sample equal on both sides: no evidence of any difference
         p = 1.0
-    return TimeTest(len(b), len(n), med_b, med_n, ratio, math.exp(lo), math.exp(hi), p, **counts)
+    return TimeTest(len(b), len(n), med_b, med_n, ratio, math.exp(lo), math.exp(hi), p, runs_base=runs_base,
+                    runs_new=runs_new)
 
 
 def benjamini_hochberg(p_values: Sequence[float]) -> list[float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from bench.analysis.history import Series, build_history
 from bench.dashboard.data import Facet, Row, SeriesKey, params_label, varying_keys
@@ -45,15 +46,15 @@ def history_series(runs: Iterable[Run], rows: Sequence[Row], suite: str) -> tupl
             latest[(row.fingerprint, row.case_id, row.impl)] = row
     out = []
     commits: list[str] = []
-    for s in build_history(runs, suite):
-        row = latest.get((s.fingerprint, s.case_id, s.impl))
-        if row is None:
+    for series in build_history(runs, suite):
+        current = latest.get((series.fingerprint, series.case_id, series.impl))
+        if current is None:
             continue
-        out.append(HistorySeries(s, row))
-        commits.extend(p.commit for p in s.points)
+        out.append(HistorySeries(series, current))
+        commits.extend(p.commit for p in series.points)
     first_seen: dict[str, str] = {}
-    for s in out:
-        for p in s.series.points:
+    for item in out:
+        for p in item.series.points:
             first_seen[p.commit] = min(first_seen.get(p.commit, p.started_at), p.started_at)
     return out, sorted(dict.fromkeys(commits), key=lambda c: first_seen[c])
 
@@ -67,7 +68,7 @@ def history_figure(items: Sequence[HistorySeries], commits: Sequence[str], colou
     order = [plot_text(c) for c in raw_order]
     label_keys = varying_keys([it.row for it in items])
     many = len(items) > MAX_SHOWN
-    traces = []
+    traces: list[dict[str, Any]] = []
     for it in items:
         s, row = it.series, it.row
         key = SeriesKey(row.impl, "measured", row.interpreter, params_label(row, label_keys))

@@ -97,7 +97,7 @@ _add(HardwareSpec("h200", "NVIDIA H200 (SXM)", 141 * GiB, 4.8e12, 50 * 2**20,
 ALIASES = {"a100": "a100_80gb", "h100": "h100_sxm", "4090": "rtx4090"}
 GPU_CHOICES = sorted(set(HARDWARE) | set(ALIASES))
 
-# The suite sized for each card (DESIGN.md "Layout"); H200 runs the H100 suite, which fits its 141 GB.
+# The suite sized for each card (docs/DESIGN.md "Layout"); H200 runs the H100 suite, which fits its 141 GB.
 SUITE_FOR = {"rtx4090": "rtx4090.yaml", "a100_40gb": "a100.yaml", "a100_80gb": "a100.yaml",
              "h100_sxm": "h100.yaml", "h100_pcie": "h100.yaml", "h200": "h100.yaml"}
 

@@ -55,7 +55,9 @@ class Nvml:
         self._nv: Any = None
         if module is None:
             try:
-                import pynvml as module
+                import pynvml
+
+                module = pynvml
             except ImportError:
                 self.reason = "nvidia-ml-py (pynvml) is not installed"
                 return

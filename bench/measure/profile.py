@@ -21,7 +21,7 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput, Unavailable
-from bench.measure.pair import make_inputs, prepare_call, skip_reason, timed_step, upstream_grad
+from bench.measure.steps import make_inputs, prepare_call, skip_reason, timed_step, upstream_grad
 from bench.spec.case import Case, resolve_device
 from bench.spec.suite import load_suite
 

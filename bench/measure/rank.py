@@ -1,4 +1,4 @@
-"""One (case, impl) on one rank of a process group, with the steps of `bench.measure.pair`; and the ranks' parts
+"""One (case, impl) on one rank of a process group, with the steps of `bench.measure.steps`; and the ranks' parts
 assembled into one Record.
 
 Every rank goes through the same phases in lockstep (inputs, prepare, first call, check, comm, timing, memory),
@@ -29,25 +29,15 @@ from bench import registry
 from bench.comm import Communicator, bus_factor, use
 from bench.errors import Unavailable
 from bench.measure import flops as flop_counts
+from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, rows_only
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak
-from bench.measure.pair import (
-    checked_rows,
-    describe_failure,
-    make_inputs,
-    nonfinite_only,
-    oracle_errors,
-    policy_of,
-    prepare_call,
-    rows_only,
-    timed_step,
-    upstream_grad,
-)
 from bench.measure.reference import tolerance_for
+from bench.measure.steps import describe_failure, make_inputs, policy_of, prepare_call, timed_step, upstream_grad
 from bench.measure.task import Task
 from bench.measure.timing import CpuTimer, measure
 from bench.results.records import Record
-from bench.sharding import Shard
+from bench.sharding import DistributedImpl, Shard
 from bench.spec.case import Case
 
 Phase = Callable[[str], None]
@@ -74,6 +64,7 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
     reason = impl.unavailable() or impl.unsupported(case)
     if reason:
         return {**out, "status": "skipped", "reason": reason}
+    assert isinstance(impl, DistributedImpl), f"{task.impl} runs on ranks but is no DistributedImpl"
     comm = Communicator.from_group(ctx.group)
     current = "inputs"
 
@@ -104,8 +95,12 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
                                                       result, held, grad_out, full=task.measure.check)
             del result, held, prepared.first_output
             mine = shards[ctx.rank]
-            step = timed_step(prepared.fn, q, k, v, grad_out,
-                              upstream=lambda r: grad_out if r.shape == grad_out.shape else mine.take(grad_out))
+
+            def upstream(result: Tensor) -> Tensor:  # the gradient of what the call returned: all, or a shard
+                assert grad_out is not None
+                return grad_out if result.shape == grad_out.shape else mine.take(grad_out)
+
+            step = timed_step(prepared.fn, q, k, v, grad_out, upstream)
 
             enter("comm")
             comm.reset()

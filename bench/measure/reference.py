@@ -17,7 +17,7 @@ from torch import Tensor
 
 from bench.patterns import Pattern
 
-# Relative L2 error tolerated per input dtype (DESIGN.md); NaN never passes.
+# Relative L2 error tolerated per input dtype (docs/DESIGN.md); NaN never passes.
 TOLERANCE = {"float32": 1e-4, "float32_tf32": 2e-3, "float16": 5e-3, "bfloat16": 2e-2}
 
 # Above this many score elements (B * H * N * N) only a sample of query rows is checked.

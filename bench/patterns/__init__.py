@@ -7,7 +7,7 @@ computed from the predicate, so no implementation invents its own semantics.
 """
 
 from bench.patterns import builtin as _builtin  # noqa: F401 - fills the table
-from bench.patterns.base import FIELD_SHORT, PATTERN_FIELDS, BlockSparse, Pattern, PatternError
+from bench.patterns.base import FIELD_SHORT, PATTERN_FIELDS, Pattern, PatternError
 from bench.patterns.builtin import (
     Axial,
     BigBird,
@@ -27,6 +27,7 @@ from bench.patterns.builtin import (
 from bench.patterns.documents import document_lengths
 from bench.patterns.hashing import hash_keep, keep_threshold, seed_key
 from bench.patterns.registry import PATTERNS, MaskModPattern, make_pattern, register_mask_mod, register_pattern
+from bench.patterns.views import BlockSparse
 
 __all__ = [
     "FIELD_SHORT", "PATTERNS", "PATTERN_FIELDS", "Axial", "BigBird", "BlockRandom", "BlockSparse", "Causal",

@@ -1,4 +1,4 @@
-"""The record format (DESIGN.md "Records"), defined once for writing and for validating what is read.
+"""The record format (docs/DESIGN.md "Records"), defined once for writing and for validating what is read.
 
 `run.json` holds a `RunInfo`; `records.jsonl` one `Record` per (case, impl) per line. Models are frozen and
 forbid unknown keys, so a foreign or corrupted file is named on load instead of half-read. Non-finite

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel
 
@@ -58,7 +58,7 @@ class Child:
             task_read, self._task_write = os.pipe()
             fds.append(task_read)
             cmd += ["--task-fd", str(task_read)]
-        log: TextIO | int = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        log: BinaryIO | int = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen([*cmd, *args], pass_fds=tuple(fds), stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, start_new_session=True, cwd=cwd,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import registry
-from bench.measure.pair import describe_failure
+from bench.measure.steps import describe_failure
 from bench.measure.task import Task
 from bench.results.records import Record
 from bench.results.store import utc_now

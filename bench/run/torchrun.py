@@ -24,7 +24,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from bench.measure.pair import describe_failure
+from bench.measure.steps import describe_failure
 from bench.measure.task import Task
 from bench.results.records import Record
 from bench.results.store import utc_now

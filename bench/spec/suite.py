@@ -63,13 +63,12 @@ assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of st
 
 _FORBID = ConfigDict(extra="forbid")
 
-CaseDefaults = create_model(  # every case field, each optional
-    "CaseDefaults", __config__=_FORBID, **{k: (t | None, None) for k, t in CASE_FIELD_TYPES.items()}
-)
-SweepAxes = create_model(  # every case field may be an axis: a non-empty list of its values
-    "SweepAxes", __config__=_FORBID,
-    **{k: (Annotated[list[t], Field(min_length=1)] | None, None) for k, t in CASE_FIELD_TYPES.items()},
-)
+_optional: dict[str, Any] = {k: (t | None, None) for k, t in CASE_FIELD_TYPES.items()}
+_axes: dict[str, Any] = {k: (Annotated[list[t], Field(min_length=1)] | None, None)  # type: ignore[valid-type]
+                         for k, t in CASE_FIELD_TYPES.items()}
+# every case field, each optional; and every case field as a sweep axis: a non-empty list of its values
+CaseDefaults: Any = create_model("CaseDefaults", __config__=_FORBID, **_optional)
+SweepAxes: Any = create_model("SweepAxes", __config__=_FORBID, **_axes)
 
 
 class Measure(BaseModel):
@@ -84,8 +83,8 @@ class Measure(BaseModel):
 
 class SweepBlock(BaseModel):
     model_config = _FORBID
-    defaults: CaseDefaults = Field(default_factory=CaseDefaults)  # type: ignore[valid-type]
-    sweep: SweepAxes = Field(default_factory=SweepAxes)  # type: ignore[valid-type]
+    defaults: CaseDefaults = Field(default_factory=CaseDefaults)
+    sweep: SweepAxes = Field(default_factory=SweepAxes)
 
 
 class SuiteModel(BaseModel):
@@ -93,8 +92,8 @@ class SuiteModel(BaseModel):
     name: Annotated[StrictStr, Field(pattern=NAME_RE, max_length=100)]
     description: StrictStr = ""
     impls: Annotated[list[StrictStr], Field(min_length=1)]
-    defaults: CaseDefaults = Field(default_factory=CaseDefaults)  # type: ignore[valid-type]
-    sweep: SweepAxes | None = None  # type: ignore[valid-type]
+    defaults: CaseDefaults = Field(default_factory=CaseDefaults)
+    sweep: SweepAxes | None = None
     sweeps: Annotated[list[SweepBlock], Field(min_length=1)] | None = None
     measure: Measure = Field(default_factory=Measure)
     plugins: list[StrictStr] = Field(default_factory=list)
@@ -138,7 +137,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _explain(err: dict[str, Any]) -> tuple[str, str]:
+def _explain(err: Any) -> tuple[str, str]:
     """A pydantic error -> (field path, 'got X; what is allowed')."""
     # Union members ("constrained-int", "list[constrained-int]") and validator names are not field names.
     loc = tuple(p for p in err["loc"]

@@ -83,7 +83,7 @@ _FORMULA_PATTERNS = frozenset({bp.Dense, bp.Causal, bp.Local, bp.CausalLocal, bp
 def mask_spec(pattern, tile_shapes: list[tuple[int, int]]) -> MaskSpec:
     """The cheapest exact mask for `pattern`'s partial tiles at every tile shape in `tile_shapes`.
 
-    Only the built-in patterns have formulas (DESIGN.md's table), and only without packed documents; the
+    Only the built-in patterns have formulas (docs/DESIGN.md's table), and only without packed documents; the
     class is checked, not just the name, so that a pattern that merely shares a name gets bitmasks.
     block_random and bigbird are formulas only when every tile lies inside one of the pattern's blocks
     (tile sides divide the block size and the first row's position q_offset is a multiple of block_m: the

@@ -1,0 +1,106 @@
+"""The architecture's promises: a worker that cannot start gives failed records, plugins come from installed
+packages (entry points), the Python API runs suites, setup phases are recorded, modules stay small."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import api
+from tests.conftest import PLUGINS, ROOT, only_run_dir, read_jsonl, run_bench, write_suite
+
+SMALL = {"heads": 2, "head_dim": 16, "seq_len": 64, "device": "cpu"}
+QUICK = {"warmup": 0, "repeat": 2, "max_time_s": 0.01}
+
+
+def test_a_plugin_failing_inside_the_worker_gives_failed_records_not_a_traceback(tmp_path):
+    (tmp_path / "fails_in_worker.py").write_text((PLUGINS / "fails_in_worker.py").read_text())
+    suite = write_suite(tmp_path, {"name": "broken", "impls": ["needs_the_worker", "dense"],
+                                   "plugins": ["fails_in_worker.py"], "defaults": SMALL,
+                                   "sweep": {"pattern": ["local", "causal"]}, "measure": QUICK})
+    proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
+    assert len(records) == 4  # one per pair the worker was to measure
+    for r in records:
+        assert r["status"] == "failed" and r["failure"] == "startup", r
+        assert r["reason"].startswith("worker could not start: plugin 'fails_in_worker.py' failed to import: "
+                                      "ImportError: planted: this plugin cannot be imported in the worker")
+    assert "0 ok, 0 skipped, 4 failed" in proc.stdout
+
+
+def test_an_installed_plugin_package_registers_through_its_entry_point(tmp_path):
+    package = tmp_path / "src"
+    (package / "my_kernel").mkdir(parents=True)
+    (package / "my_kernel" / "__init__.py").write_text("")
+    (package / "my_kernel" / "bench_plugin.py").write_text(
+        "from bench.patterns import Pattern, register_pattern\n"
+        "from bench.registry import Impl, register\n\n"
+        "@register\n"
+        "class MyKernel(Impl):\n"
+        "    name = 'my_kernel'\n"
+        "    def prepare(self, case, pattern, q, k, v):\n"
+        "        from impls.dense import Dense\n"  # a stand-in kernel: correct, so the record is ok
+        "        return Dense().prepare(case, pattern, q, k, v)\n\n"
+        "@register_pattern\n"
+        "class Stripes(Pattern):\n"
+        "    name = 'my_stripes'\n"
+        "    length_free = True\n"
+        "    def allowed(self, i, j):\n"
+        "        return ((i - j) % 3 == 0) | (i == j)\n")
+    (package / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "my-kernel"\nversion = "0.1"\n'
+        '[project.entry-points."sparse_attention_bench.plugins"]\nmy_kernel = "my_kernel.bench_plugin"\n')
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--target", str(site), str(package)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    env = {"PYTHONPATH": f"{ROOT}:{site}"}  # the package is installed there; no `plugins:` line anywhere
+    suite = write_suite(tmp_path, {"name": "installed", "impls": ["my_kernel", "dense"], "defaults": SMALL,
+                                   "sweep": {"pattern": ["my_stripes", "causal"]}, "measure": QUICK})
+    proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
+    assert {(r["impl"], r["params"]["pattern"]) for r in records if r["status"] == "ok"} == {
+        ("my_kernel", "my_stripes"), ("my_kernel", "causal"), ("dense", "my_stripes"), ("dense", "causal")}
+    listing = run_bench("list", "impls", env={**env, "COLUMNS": "250"})
+    line = next(ln for ln in listing.stdout.splitlines() if "my_kernel" in ln)
+    assert "package my-kernel (entry point my_kernel)" in line
+    patterns = run_bench("list", "patterns", env={**env, "COLUMNS": "250"})
+    assert "package my-kernel (entry point my_kernel)" in next(ln for ln in patterns.stdout.splitlines()
+                                                               if "my_stripes" in ln)
+
+
+def test_the_python_api_runs_a_suite_given_as_a_dict_and_returns_its_records(tmp_path):
+    records = api.run({"name": "notebook", "impls": ["dense", "flex"], "defaults": SMALL,
+                       "sweep": {"pattern": ["local", "causal"]}, "measure": QUICK},
+                      out=tmp_path / "results", quiet=True)
+    assert [(r.impl, r.params["pattern"]) for r in records] == [
+        ("dense", "local"), ("flex", "local"), ("dense", "causal"), ("flex", "causal")]
+    assert all(r.status == "ok" and r.error.rel_l2 <= r.error.tolerance for r in records)
+    stored = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
+    assert [r["case_id"] for r in stored] == [r.case_id for r in records]
+    # flex marks its phases: the BlockMask is mask building, torch.compile's first trace is compilation
+    for r in records:
+        assert r.setup is not None and r.setup.first_call_s is not None
+        assert r.setup.mask_s is not None and r.setup.mask_s > 0  # dense builds its mask, flex its BlockMask
+        if r.impl == "flex":
+            assert r.setup.compile_s is not None and r.setup.compile_s > 0
+            assert r.setup.compile_s + r.setup.mask_s + r.setup.first_call_s <= r.setup_s + 1e-6
+        else:
+            assert r.setup.compile_s is None  # dense compiles nothing
+
+
+def test_no_module_is_much_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in [*(ROOT / "bench").rglob("*.py"), *(ROOT / "impls").rglob("*.py")]
+            if (n := len(p.read_text().splitlines())) > 440}
+    assert not long, f"modules past ~400 lines (split them by job): {long}"
+
+
+def test_child_processes_are_started_in_one_place():
+    """Only bench/run/child.py starts processes with subprocess.Popen (workers, ranks, calibration)."""
+    starters = [str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py") if "Popen(" in p.read_text()]
+    assert starters == [str(Path("bench/run/child.py"))]
