@@ -12,6 +12,7 @@ import pytest
 
 from bench import registry
 from bench.measure import pair as measure_module
+from bench.measure import steps as measure_steps
 from bench.measure import timing
 from bench.measure.timing import CpuTimer, CudaTimer, TimingPolicy, measure, median_ci95, median_ci_ranks
 
@@ -236,7 +237,10 @@ def test_setup_s_holds_prepare_and_first_call_and_time_s_holds_neither(monkeypat
             return call
 
     impl = CompilesThenRuns()
-    monkeypatch.setattr(measure_module, "time", types.SimpleNamespace(perf_counter=clock))
+    fake_time = types.SimpleNamespace(perf_counter=clock)
+    # setup is timed where the pair's steps run and where phases are marked; patch every clock it reads
+    for module in (measure_module, measure_steps, registry):
+        monkeypatch.setattr(module, "time", fake_time)
     monkeypatch.setattr(measure_module, "timer_for", lambda device: CpuTimer(clock=clock))
     monkeypatch.setattr(registry, "get", lambda name: impl if name == impl.name else dense)
     from bench.spec.case import Case
