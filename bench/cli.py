@@ -65,6 +65,30 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _cmd_ab(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.analysis.ab import check_levels, run_ab
+    from bench.analysis.ab_report import markdown, print_ab
+    from bench.run.ab import ABOptions
+
+    check_levels(args.threshold, args.alpha)
+    markdown_file = Path(args.markdown) if args.markdown else None
+    if markdown_file is not None and not markdown_file.parent.is_dir():
+        raise BadInput("the file's directory does not exist", file=str(markdown_file), field="--markdown")
+    options = ABOptions(base=args.base, new=args.new, suite=args.suite, rounds=args.rounds, impls=args.impl or [],
+                        out=Path(args.out), device=args.device, block_s=args.block_ms / 1e3, threads=args.threads)
+    console = make_console(stderr=True) if args.json else make_console()
+    result = run_ab(options, console, threshold_pct=args.threshold, alpha=args.alpha)
+    if markdown_file is not None:
+        markdown_file.write_text(markdown(result), encoding="utf-8")
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print_ab(result, console, show_all=args.all)
+    return result.exit_code
+
+
 def _cmd_history(args: argparse.Namespace) -> int:
     from bench.analysis.history import history_command
 
@@ -136,6 +160,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic-only", action="store_true",
                    help="compare only exact figures (status, FLOPs, correctness, bytes), not times")
     p.set_defaults(func=_cmd_compare)
+
+    from bench.run.ab import DEFAULT_BLOCK_S, DEFAULT_ROUNDS, DEFAULT_THREADS
+
+    DEFAULT_AB_THRESHOLD = 5.0  # bench.analysis.ab.DEFAULT_THRESHOLD_PCT (not imported here: scipy is slow)
+
+    p = sub.add_parser("ab", help="two commits or checkouts measured side by side, interleaved: trustworthy verdicts",
+                       description="Each side runs its own code and suite file in its own warm worker; every "
+                                   "(case, impl) is timed in R rounds of short blocks, BASE and NEW in random order, "
+                                   "and judged on the paired per-round ratios. Exit 1 on a regression.")
+    p.add_argument("base", metavar="BASE", help="git revision of this repository, or a checkout directory")
+    p.add_argument("new", metavar="NEW", help="git revision of this repository, or a checkout directory")
+    p.add_argument("suite", metavar="SUITE.yaml", help="suite file, read by each side from its own checkout")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
+                   help=f"interleaved rounds per pair (default {DEFAULT_ROUNDS})")
+    p.add_argument("--threshold", type=float, default=DEFAULT_AB_THRESHOLD, metavar="PCT",
+                   help="SLOWER needs the whole interval past this slowdown, in percent (default "
+                        f"{DEFAULT_AB_THRESHOLD:g}); what is caught reliably is each verdict's MDE, a little more")
+    p.add_argument("--alpha", type=float, default=0.05, help="false discovery rate across pairs (default 0.05)")
+    p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation (repeatable)")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root for both runs (default: results)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override every case's device")
+    p.add_argument("--block-ms", type=float, default=DEFAULT_BLOCK_S * 1e3, metavar="MS",
+                   help=f"shortest timed block per side and round (default {DEFAULT_BLOCK_S * 1e3:g})")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
+                   help=f"intra-op threads per worker, 0 for torch's default (default {DEFAULT_THREADS})")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (progress goes to stderr)")
+    p.add_argument("--markdown", metavar="FILE", help="also write the result as Markdown (a CI job summary)")
+    p.add_argument("--all", action="store_true", help="list every pair, not only regressions and improvements")
+    p.set_defaults(func=_cmd_ab)
 
     p = sub.add_parser("history", help="per (case, impl) series over commits, with detected steps")
     p.add_argument("suite", nargs="?", metavar="SUITE", help="suite name (default: every suite)")

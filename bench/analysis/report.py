@@ -32,7 +32,9 @@ def _verdict_cell(pair: PairResult) -> str:
     if pair.verdict is None:
         return "-"
     text = f"[{VERDICT_STYLE[pair.verdict]}]{pair.verdict}[/]"
-    return text if pair.time_comparable else f"{text} [red](not comparable)[/]"
+    if not pair.time_comparable:
+        return f"{text} [red](not comparable)[/]"
+    return f"{text} [dim](advisory)[/]" if pair.time_advisory and pair.verdict in (cs.SLOWER, cs.FASTER) else text
 
 
 def time_table(comparison: Comparison) -> Table:
@@ -109,6 +111,8 @@ def summary_line(c: Comparison) -> str:
         ", ".join(f"{n} {v}" for v, n in counts.items())
     if not c.time_comparable and not c.deterministic_only:
         time_part += " (time verdicts not comparable: environments differ)"
+    elif c.time_advisory:
+        time_part += " (advisory: one run per side; use `bench ab` for time verdicts that gate)"
     regressions = c.regressions()
     outcome = (f"[bold red]REGRESSION[/] in {len(regressions)} pairs" if regressions
                else "[green]no regression[/]")

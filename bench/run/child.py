@@ -3,7 +3,8 @@
 A child is `python -m MODULE ...` in a session of its own (so its whole process group can be killed), with its
 stdout and stderr appended to a log file, a JSON-lines pipe from the child (`--result-fd`) and, when asked, one
 to it (`--task-fd`). No pickle crosses the pipes: messages are the pydantic models of `bench.run.messages`.
-The child dies with its parent (PR_SET_PDEATHSIG), so a killed runner leaves no orphan behind.
+The child dies with its parent (PR_SET_PDEATHSIG), so a killed runner leaves no orphan behind; the one
+exception is `bench ab`'s janitor (bench.run.janitor), whose job is to clean up after a parent killed outright.
 
 Both sides live here: `Child` is the parent's handle; `ChildSide` is what the child's `main` uses to arm the
 parent-death signal and to send its messages.
@@ -182,8 +183,10 @@ class ChildSide:
     def from_args(cls, args: Any) -> ChildSide:
         return cls(args.result_fd, args.parent_pid, args.task_fd)
 
-    def start(self) -> bool:
-        die_with_parent()
+    def start(self, outlive_parent: bool = False) -> bool:
+        """Arm the parent-death signal (unless this child must outlive its parent: the `bench ab` janitor)."""
+        if not outlive_parent:
+            die_with_parent()
         return os.getppid() == self.parent_pid  # False: the parent died before PDEATHSIG was armed
 
     def send(self, message: BaseModel | dict[str, Any]) -> None:

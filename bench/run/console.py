@@ -64,6 +64,16 @@ class Reporter:
         else:
             print(line, flush=True)
 
+    def finish_line(self, line: str) -> None:
+        """A finished item described by the caller (`bench ab`: a pair of both sides), one line."""
+        self.done += 1
+        line = f"[{self.done}/{self.total}] {line}"
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+            self._progress.advance(self._task)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()

@@ -1,8 +1,12 @@
 """The messages between the runner and its children (workers, ranks, calibration), one JSON object per line.
 
 Every message has a `type`; `parse` validates a line into its model, so a child that sends something else is
-named instead of half-read. PROTOCOL goes up when a message changes meaning: `bench ab` runs another checkout's
-worker and must know that it speaks the same protocol.
+named instead of half-read. PROTOCOL goes up when a message changes meaning or a worker learns messages an older
+one does not know: `bench ab` runs another checkout's worker and must know that it speaks the same protocol.
+
+Protocol 1: Measure, Open, Block, Close, Exit. Protocol 2 adds what `bench ab` needs to run a checkout's own
+suite with its own code: LoadSuite (answered by SuiteLoaded), Warm (Samples), Describe (PairInfo) and
+MeasureRanks (RecordDone); and the janitor's Watch.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from bench.measure.task import Task
 
-PROTOCOL = 1
+PROTOCOL = 2
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -78,8 +82,56 @@ class Result(BaseModel):
     error: str | None = None
 
 
-FromChild = Annotated[Ready | PhaseChanged | RecordDone | Opened | Samples | RankPart | Result,
-                      Field(discriminator="type")]
+class SuitePair(BaseModel):
+    """One (case, impl) of a suite as a checkout's own code expands it (part of SuiteLoaded).
+
+    `task` is that checkout's Task as JSON: the parent hands it back to the same checkout's worker unread, so
+    two checkouts whose Task models differ can still be measured side by side.
+    """
+
+    model_config = _STRICT
+    case_id: str
+    impl: str
+    label: str  # the case's short label (bench.spec.case.Case.label)
+    world_size: int
+    task: dict[str, Any]
+
+
+class SuiteLoaded(BaseModel):
+    """A/B: the suite file as this worker's checkout reads it, or `error` (the BadInput message) when it cannot.
+
+    `root` is the directory holding the `bench` package this worker imported (the parent checks that each side
+    runs its own code); `env` the environment as this checkout captures it (run.json's `env`); `content` the
+    suite's parsed content (run.json's `suite.content`); `plugins` the (spec, directory) pairs children load.
+    """
+
+    model_config = _STRICT
+    type: Literal["suite"] = "suite"
+    error: str | None = None
+    name: str = ""
+    file: str | None = None
+    root: str = ""
+    content: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, Any] = Field(default_factory=dict)
+    plugins: list[tuple[str, str | None]] = Field(default_factory=list)
+    timeout_s: float = 300.0
+    warmup: int = 1
+    repeat: int = 10
+    pairs: list[SuitePair] = Field(default_factory=list)
+    unknown_impls: list[str] = Field(default_factory=list)  # --impl names this checkout does not register
+
+
+class PairInfo(BaseModel):
+    """A/B: what the open pair is (answer to Describe); `interpreter`: timed through the Triton interpreter."""
+
+    model_config = _STRICT
+    type: Literal["pair_info"] = "pair_info"
+    interpreter: bool = False
+    config: dict[str, Any] | None = None
+
+
+FromChild = Annotated[Ready | PhaseChanged | RecordDone | Opened | Samples | RankPart | Result | SuiteLoaded
+                      | PairInfo, Field(discriminator="type")]
 
 # --- to a worker ---
 
@@ -122,16 +174,80 @@ class Exit(BaseModel):
     type: Literal["exit"] = "exit"
 
 
-ToWorker = Annotated[Measure | Open | Block | Close | Exit, Field(discriminator="type")]
+class LoadSuite(BaseModel):
+    """A/B: load a suite file with this worker's own code (plugins imported here) and expand it into tasks.
+
+    `suite` is a path relative to the worker's directory (its checkout) or absolute; `impls` restricts the
+    implementations (--impl; names this checkout does not know are listed back, not fatal); `device`
+    overrides every case's device; `results` is where a stored calibration is looked up. Answered by
+    SuiteLoaded.
+    """
+
+    model_config = _STRICT
+    type: Literal["load_suite"] = "load_suite"
+    suite: str
+    impls: list[str] = Field(default_factory=list)
+    device: str | None = None
+    results: str | None = None
+
+
+class Warm(BaseModel):
+    """A/B: run the open pair untimed for `calls` calls and at least `min_s` seconds (nothing is kept: the first
+    blocks after an open are slower than the rest); answered by Samples (empty)."""
+
+    model_config = _STRICT
+    type: Literal["warm"] = "warm"
+    calls: int = 1
+    min_s: float = 0.0
+
+
+class Describe(BaseModel):
+    """A/B: describe the open pair; answered by PairInfo."""
+
+    model_config = _STRICT
+    type: Literal["describe"] = "describe"
+
+
+class MeasureRanks(BaseModel):
+    """Measure a distributed (world_size > 1) pair over fresh rank processes started by this worker, so that
+    they run this worker's checkout; answered by a RecordDone."""
+
+    model_config = _STRICT
+    type: Literal["measure_ranks"] = "measure_ranks"
+    task: Task
+    log: str | None = None  # the ranks' log file
+
+
+class Watch(BaseModel):
+    """To the janitor (bench.run.janitor): when the parent's pipe closes, remove `path` - a git worktree of
+    `repo` (`git worktree remove --force`, then `prune`), or a plain directory when `repo` is None."""
+
+    model_config = _STRICT
+    type: Literal["watch"] = "watch"
+    path: str
+    repo: str | None = None
+
+
+ToWorker = Annotated[Measure | Open | Block | Close | Exit | LoadSuite | Warm | Describe | MeasureRanks,
+                     Field(discriminator="type")]
 
 _FROM_CHILD: TypeAdapter[Any] = TypeAdapter(FromChild)
 _TO_WORKER: TypeAdapter[Any] = TypeAdapter(ToWorker)
 
 
-def from_child(obj: dict[str, Any]) -> Ready | PhaseChanged | RecordDone | Opened | Samples | RankPart | Result:
+_TO_JANITOR: TypeAdapter[Any] = TypeAdapter(Annotated[Watch | Exit, Field(discriminator="type")])
+
+
+def from_child(obj: dict[str, Any]) -> (Ready | PhaseChanged | RecordDone | Opened | Samples | RankPart | Result
+                                        | SuiteLoaded | PairInfo):
     """A child's message, validated (pydantic.ValidationError when it is not one)."""
     return _FROM_CHILD.validate_python(obj)
 
 
-def to_worker(obj: dict[str, Any]) -> Measure | Open | Block | Close | Exit:
+def to_worker(obj: dict[str, Any]) -> (Measure | Open | Block | Close | Exit | LoadSuite | Warm | Describe
+                                       | MeasureRanks):
     return _TO_WORKER.validate_python(obj)
+
+
+def to_janitor(obj: dict[str, Any]) -> Watch | Exit:
+    return _TO_JANITOR.validate_python(obj)

@@ -2,8 +2,11 @@
 
 The runner sends `Measure` tasks and gets `PhaseChanged` and `RecordDone` messages back; `bench ab` opens a
 pair, asks for short timed `Block`s of it interleaved with another checkout's worker, and `Close`s it for its
-record. A worker that cannot start (a plugin that fails to import, say) says why in its `Ready` message; the
-runner then writes a `failed` record with that cause for each pair the worker was to measure.
+record. `bench ab` also has each checkout's worker load that checkout's suite (`LoadSuite`, so cases, tasks and
+environment come from its own code), describe an open pair (`Describe`) and measure a distributed pair with rank
+processes it starts itself (`MeasureRanks`). A worker that cannot start (a plugin that fails to import, say)
+says why in its `Ready` message; the runner then writes a `failed` record with that cause for each pair the
+worker was to measure.
 """
 
 from __future__ import annotations
@@ -48,11 +51,20 @@ class WorkerProcess:
     """The runner's handle on one worker: started at construction (raises WorkerStartError), then tasks."""
 
     def __init__(self, plugins: list[tuple[str, str | None]], log_path: Path | None = None, *,
-                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+                 cwd: Path | None = None, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """Start the worker; with `wait` (the default) wait for its Ready message here, else in `wait_ready()`
+        (so that several workers start at once; start them from the main thread: a child dies with the thread
+        that started it)."""
         import json
 
         args = ["--plugins", json.dumps(plugins)]
         self.child = Child(WORKER_MODULE, args, env=env, log_path=log_path, with_tasks=True, cwd=cwd)
+        self.protocol = 0
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for the Ready message; raises WorkerStartError (the worker killed) when it does not come."""
         first = self.child.receive(time.monotonic() + STARTUP_TIMEOUT_S)
         ready = _parse(first)
         if not isinstance(ready, messages.Ready) or ready.error:
@@ -67,16 +79,28 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.child.pid
 
-    def _ask(self, message: BaseModel, timeout_s: float, want: type, phase: str = "start") -> tuple[Any, Outcome]:
+    def _ask(self, message: BaseModel | dict[str, Any], timeout_s: float, want: type, phase: str = "start"
+             ) -> tuple[Any, Outcome]:
         """Send `message`; (the answer of type `want`, or None with the Outcome saying why) within timeout_s.
 
         On a timeout or a death the worker is killed.
         """
-        if not self.child.send(message):
-            code = self.child.poll()
-            self.child.kill()
-            return None, Outcome(None, f"worker process died before the {message.type} started "  # type: ignore
-                                       f"({describe_exit(code)})", phase, "died")
+        failed = self.send(message, phase)
+        if failed is not None:
+            return None, failed
+        return self.await_answer(timeout_s, want, phase)
+
+    def send(self, message: BaseModel | dict[str, Any], phase: str = "start") -> Outcome | None:
+        """Send one message without waiting (`await_answer` then reads the answer); an Outcome if it died."""
+        if self.child.send(message):
+            return None
+        code = self.child.poll()
+        self.child.kill()
+        kind = message.get("type") if isinstance(message, dict) else getattr(message, "type", "message")
+        return Outcome(None, f"worker process died before the {kind} started ({describe_exit(code)})", phase, "died")
+
+    def await_answer(self, timeout_s: float, want: type, phase: str = "start") -> tuple[Any, Outcome]:
+        """The answer of type `want` to the message sent last, as `_ask` returns it."""
         deadline = time.monotonic() + timeout_s
         while True:
             answer = _parse(self.child.receive(deadline))
@@ -115,6 +139,38 @@ class WorkerProcess:
         """The open pair's record (memory measured, every block's samples)."""
         return self._ask(messages.Close(), timeout_s, messages.RecordDone, "memory")[1]
 
+    # --- A/B across checkouts (protocol 2): the task is the other checkout's Task as JSON, passed on unread ---
+
+    def load_suite(self, suite: str, impls: list[str], device: str | None, results: str | None,
+                   timeout_s: float) -> messages.SuiteLoaded | Outcome:
+        """The suite as this worker's checkout expands it (SuiteLoaded, maybe with an error), or why none came."""
+        request = messages.LoadSuite(suite=suite, impls=impls, device=device, results=results)
+        answer, outcome = self._ask(request, timeout_s, messages.SuiteLoaded, "loading the suite")
+        return answer if answer is not None else outcome
+
+    def open_json(self, task: dict[str, Any], timeout_s: float, warmup: int = 1) -> tuple[bool, Outcome]:
+        """As `open`, for a task given as JSON (another checkout's Task)."""
+        answer, outcome = self._ask({"type": "open", "task": task, "warmup": warmup}, timeout_s, messages.Opened)
+        return answer is not None and answer.record is None, outcome
+
+    def warm(self, calls: int, min_s: float, timeout_s: float) -> Outcome | None:
+        """Untimed calls of the open pair (nothing kept); an Outcome if the worker was lost."""
+        answer, outcome = self._ask(messages.Warm(calls=calls, min_s=min_s), timeout_s, messages.Samples, "warm-up")
+        return None if answer is not None else outcome
+
+    def describe(self, timeout_s: float) -> messages.PairInfo | Outcome:
+        answer, outcome = self._ask(messages.Describe(), timeout_s, messages.PairInfo, "describing the pair")
+        return answer if answer is not None else outcome
+
+    def measure_json(self, task: dict[str, Any], timeout_s: float) -> Outcome:
+        """As `run`, for a task given as JSON."""
+        return self._ask({"type": "measure", "task": task}, timeout_s, messages.RecordDone)[1]
+
+    def measure_ranks_json(self, task: dict[str, Any], timeout_s: float, log: Path | None = None) -> Outcome:
+        """A distributed pair measured by rank processes this worker starts (so they run its checkout)."""
+        message = {"type": "measure_ranks", "task": task, "log": str(log) if log else None}
+        return self._ask(message, timeout_s, messages.RecordDone, "ranks")[1]
+
     def kill(self) -> None:
         self.child.kill()
 
@@ -135,12 +191,13 @@ def _parse(obj: dict[str, Any] | None) -> Any:
 # --- the worker side ---------------------------------------------------------------------------------------
 
 
-def serve(side: ChildSide) -> int:
+def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None) -> int:
     """Answer the runner's messages until Exit or the end of the task pipe."""
     from bench.measure.pair import CaseCache, PairSession, measure_task
 
     cache = CaseCache()
     session: PairSession | None = None
+    loaded = list(plugins or [])  # what rank processes started from here must import too
 
     def phase(name: str) -> None:
         side.send(messages.PhaseChanged(phase=name))
@@ -170,6 +227,29 @@ def serve(side: ChildSide) -> int:
             assert session is not None, "close without an open pair"
             side.send(messages.RecordDone(record=session.close_blocks().model_dump(mode="json")))
             session = None
+        elif isinstance(message, messages.LoadSuite):
+            from bench.run.ab_suite import load_for_ab
+
+            loaded_suite = load_for_ab(message)
+            loaded = list(dict.fromkeys([*loaded, *loaded_suite.plugins]))
+            side.send(loaded_suite)
+        elif isinstance(message, messages.Warm):
+            assert session is not None, "warm without an open pair"
+            start, calls = time.perf_counter(), 0
+            while calls < message.calls or time.perf_counter() - start < message.min_s:
+                session.warm_up(1)
+                calls += 1
+            side.send(messages.Samples(samples=[]))
+        elif isinstance(message, messages.Describe):
+            assert session is not None, "describe without an open pair"
+            side.send(messages.PairInfo(interpreter=bool(session.base.get("interpreter", False)),
+                                        config=session.base.get("config")))
+        elif isinstance(message, messages.MeasureRanks):
+            from bench.run.ranks import run_pair
+
+            log = Path(message.log) if message.log else None
+            record = run_pair(message.task, loaded, message.task.measure.timeout_s, log)
+            side.send(messages.RecordDone(record=record.model_dump(mode="json")))
     return 0
 
 
@@ -200,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         side.send(messages.Ready(error=detail))
         return 1
     side.send(messages.Ready())
-    return serve(side)
+    return serve(side, [(str(spec), base) for spec, base in json.loads(args.plugins)])
 
 
 if __name__ == "__main__":

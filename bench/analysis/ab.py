@@ -1,0 +1,270 @@
+"""`bench ab BASE NEW SUITE`: the verdicts of an interleaved A/B run (measured by bench.run.ab).
+
+For every (case, impl) both sides ran:
+
+- deterministic figures (status, FLOPs, density, correctness numbers, communication bytes, CUDA peak memory) are
+  compared exactly with `bench compare`'s own comparison (bench.analysis.compare.figure_changes);
+- interleaved pairs get a time verdict from their paired per-round ratios (bench.analysis.ab_stats), with the
+  p-values of all of them corrected together (Benjamini-Hochberg) and a minimum detectable effect each;
+- pairs whose time is not interleaved (Triton interpreter, distributed, a side that ended early) say why.
+
+Regressions (exit 1): a SLOWER verdict, a pair that became failed or incorrect, more communication bytes.
+`compare_ab` is pure given the measurement (the bootstrap is seeded per pair), so it is tested with synthetic
+rounds; `run_ab` measures and compares.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+
+from bench.analysis import ab_stats as st
+from bench.analysis.compare import Change, figure_changes
+from bench.analysis.stats import benjamini_hochberg, seed_for
+from bench.errors import BadInput
+from bench.results.records import Record
+from bench.run.ab import (
+    DISTRIBUTED,
+    ENDED,
+    INTERLEAVED,
+    INTERPRETER,
+    ABMeasurement,
+    ABOptions,
+    PairMeasurement,
+    SideRun,
+    measure_ab,
+)
+
+DEFAULT_THRESHOLD_PCT = 5.0  # with the interval past it, a 10% slowdown is caught at this machine's noise
+DEFAULT_ALPHA = 0.05
+SCHEMA = "bench-ab/1"
+
+
+@dataclass
+class ABPair:
+    case_id: str
+    impl: str
+    label: str
+    mode: str
+    base_status: str
+    new_status: str
+    test: st.PairedTest | None = None
+    q_value: float | None = None
+    verdict: str | None = None  # the time verdict; None where time was not interleaved
+    time_note: str | None = None  # why there is no time verdict
+    mde: float | None = None  # a fraction (0.12 = 12%)
+    changes: list[Change] = field(default_factory=list)
+    reason: str | None = None  # NEW's reason (or BASE's) when a side did not run ok
+    round_medians: list[tuple[float, float]] = field(default_factory=list)  # (BASE, NEW) block medians per round
+    orders: list[str] = field(default_factory=list)  # per round: "BN" (BASE first) or "NB"
+
+    @property
+    def regression(self) -> bool:
+        return self.verdict == st.SLOWER or any(c.kind == "regression" for c in self.changes)
+
+    @property
+    def improvement(self) -> bool:
+        return not self.regression and (self.verdict == st.FASTER
+                                        or any(c.kind == "improvement" for c in self.changes))
+
+
+@dataclass
+class ABResult:
+    measurement: ABMeasurement
+    threshold_pct: float
+    alpha: float
+    pairs: list[ABPair]
+    only_base: list[tuple[str, str, str]]  # (case_id, impl, status)
+    only_new: list[tuple[str, str, str]]
+    notes: list[str]
+
+    @property
+    def base(self) -> SideRun:
+        return self.measurement.base
+
+    @property
+    def new(self) -> SideRun:
+        return self.measurement.new
+
+    def regressions(self) -> list[ABPair]:
+        return [p for p in self.pairs if p.regression]
+
+    def improvements(self) -> list[ABPair]:
+        return [p for p in self.pairs if p.improvement]
+
+    def verdict_counts(self) -> dict[str, int]:
+        return {v: sum(p.verdict == v for p in self.pairs) for v in st.VERDICTS}
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.regressions() else 0
+
+    def mdes(self) -> list[float]:
+        return [p.mde for p in self.pairs if p.mde is not None and math.isfinite(p.mde)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable result (`bench ab --json`); NaN and infinity become null."""
+        m = self.measurement
+        mdes = self.mdes()
+        return {
+            "schema": SCHEMA,
+            "base": _side_json(m.base), "new": _side_json(m.new),
+            "settings": {"rounds": m.rounds, "block_ms": m.block_s * 1e3, "block_calls": m.block_calls,
+                         "threads": m.threads, "cpus": m.cpus, "threshold_pct": self.threshold_pct, "alpha": self.alpha,
+                         "confidence": st.CONFIDENCE, "power": st.POWER},
+            "pairs": [_pair_json(p) for p in self.pairs],
+            "only_base": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_base],
+            "only_new": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_new],
+            "notes": self.notes,
+            "summary": {**self.verdict_counts(), "pairs": len(self.pairs),
+                        "time_compared": sum(p.verdict is not None for p in self.pairs),
+                        "changes": sum(len(p.changes) for p in self.pairs),
+                        "regressions": len(self.regressions()), "improvements": len(self.improvements()),
+                        "mde_median_pct": _num(statistics.median(mdes) * 100) if mdes else None,
+                        "mde_max_pct": _num(max(mdes) * 100) if mdes else None},
+            "wall_s": m.wall_s,
+            "exit_code": self.exit_code,
+        }
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
+
+
+def _side_json(side: SideRun) -> dict[str, Any]:
+    co = side.checkout
+    return {"spec": co.spec, "commit": co.commit, "path": None if co.worktree else str(co.path),
+            "worktree": co.worktree, "run_id": side.run_id, "run_dir": str(side.run_dir), "suite": side.suite_name,
+            "fingerprint": side.env.get("fingerprint"), "dirty": (side.env.get("git") or {}).get("dirty")}
+
+
+def _pair_json(p: ABPair) -> dict[str, Any]:
+    time = None
+    if p.test is not None:
+        # per round: BASE's and NEW's block medians (what the verdict is computed from) and the order drawn
+        t = p.test
+        time = {"rounds": t.rounds, "ratio": _num(t.ratio), "ci_low": _num(t.ci_low), "ci_high": _num(t.ci_high),
+                "p_value": _num(t.p_value), "q_value": _num(p.q_value), "sigma_log": _num(t.sigma),
+                "se_log": _num(t.se), "mde_pct": _num(p.mde * 100) if p.mde is not None else None,
+                "median_base_s": _num(t.median_base), "median_new_s": _num(t.median_new), "note": t.note,
+                "round_medians_s": [[_num(b), _num(n)] for b, n in p.round_medians], "orders": p.orders}
+    return {"case_id": p.case_id, "impl": p.impl, "label": p.label, "mode": p.mode, "base_status": p.base_status,
+            "new_status": p.new_status, "verdict": p.verdict, "time": time, "time_note": p.time_note,
+            "changes": [{"figure": c.figure, "base": c.base, "new": c.new, "kind": c.kind} for c in p.changes],
+            "regression": p.regression, "improvement": p.improvement, "reason": p.reason}
+
+
+# --- the comparison ------------------------------------------------------------------------------------------
+
+_MODE_NOTES = {
+    INTERPRETER: "{n} pairs ran through the Triton interpreter (correctness only on CPU, not kernel speed): their "
+                 "deterministic figures are compared, their times are not interleaved and get no verdict",
+    DISTRIBUTED: "{n} distributed pairs (world_size > 1) use fresh rank processes per measurement: each side was "
+                 "measured once, deterministic figures (bytes included) compared, times not interleaved",
+    ENDED: "{n} pairs ended on a side before or during the rounds (skipped or failed): statuses compared, no time "
+           "verdict",
+}
+
+
+def _status(record: Record | None) -> str:
+    return record.status if record is not None else "missing"
+
+
+def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+               alpha: float = DEFAULT_ALPHA, seed: int = 0) -> ABResult:
+    """Verdicts for a measurement; pure given it (the bootstrap is seeded per (case, impl) from `seed`)."""
+    check_levels(threshold_pct, alpha)
+    threshold = threshold_pct / 100
+    pairs: list[ABPair] = []
+    for pm in measurement.pairs:
+        pairs.append(_pair(pm, seed))
+    tested = [p for p in pairs if p.test is not None and p.test.note is None]
+    for pair, q in zip(tested, benjamini_hochberg([p.test.p_value for p in tested if p.test]), strict=True):
+        pair.q_value = q
+    for pair in pairs:
+        if pair.test is not None:
+            pair.verdict = st.verdict(pair.test, pair.q_value if pair.q_value is not None else 1.0, threshold, alpha)
+            pair.mde = st.mde(pair.test, threshold, alpha)
+    only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
+    only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
+    notes = _notes(measurement, pairs, threshold, alpha, len(tested))
+    return ABResult(measurement, threshold_pct, alpha, pairs, only_base, only_new, notes)
+
+
+def check_levels(threshold_pct: float, alpha: float) -> None:
+    if not threshold_pct >= 0:
+        raise BadInput(f"got {threshold_pct}; a percentage >= 0", field="--threshold")
+    if not 0 < alpha < 1:
+        raise BadInput(f"got {alpha}; a level strictly between 0 and 1", field="--alpha")
+
+
+def _pair(pm: PairMeasurement, seed: int) -> ABPair:
+    pair = ABPair(pm.case_id, pm.impl, pm.label, pm.mode, _status(pm.base), _status(pm.new))
+    if pm.base is not None and pm.new is not None:
+        pair.changes = figure_changes([pm.base], [pm.new])
+    for record in (pm.new, pm.base):
+        if record is not None and record.status != "ok" and record.reason and pair.reason is None:
+            pair.reason = record.reason
+    if pm.mode == INTERLEAVED and pair.base_status == "ok" and pair.new_status == "ok":
+        pair.test = st.paired_test(pm.rounds, seed_for(f"{pm.case_id}|{pm.impl}", seed))
+        pair.round_medians = [(statistics.median(b), statistics.median(n)) for b, n in pm.rounds if b and n]
+        pair.orders = list(pm.orders)
+    else:
+        pair.time_note = pm.note or ("a side did not run ok" if pm.mode == INTERLEAVED else pm.mode)
+    return pair
+
+
+def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float, n_tested: int) -> list[str]:
+    """One note per kind, never one per pair."""
+    notes: list[str] = []
+    for mode, text in _MODE_NOTES.items():
+        n = sum(p.mode == mode for p in pairs)
+        if n:
+            notes.append(text.format(n=n))
+    noisy = [p for p in pairs if p.verdict == st.NOISY]
+    if noisy:
+        worst = max(p.mde or 0.0 for p in noisy)
+        notes.append(f"{len(noisy)} pairs were too noisy for the {threshold:.0%} threshold (MDE up to "
+                     f"{_pct(worst)}): more --rounds, longer blocks (--block-ms) or a quieter machine")
+    if n_tested and st.smallest_p(m.rounds) * n_tested > alpha:
+        need = math.ceil(math.log2(2 * n_tested / alpha)) + 2
+        notes.append(f"with {m.rounds} rounds and {n_tested} pairs, a change in one pair alone cannot reach q < "
+                     f"{alpha:g} (smallest p 2/2^{m.rounds}); only changes shared by several pairs can be found. "
+                     f"Use --rounds {need} or more to catch a single pair")
+    fingerprints = {m.base.env.get("fingerprint"), m.new.env.get("fingerprint")}
+    if len(fingerprints) > 1:
+        notes.append("the two checkouts describe this machine differently (environment fingerprints "
+                     f"{m.base.env.get('fingerprint')} and {m.new.env.get('fingerprint')}): their code captures "
+                     "the environment differently; both ran here at the same time, so times are compared")
+    dirty = [name for name, side in (("BASE", m.base), ("NEW", m.new)) if (side.env.get("git") or {}).get("dirty")]
+    if dirty:
+        notes.append(f"{' and '.join(dirty)} {'is a working tree' if len(dirty) == 1 else 'are working trees'} with "
+                     "uncommitted changes: the commit id in the run does not describe the code measured")
+    for name, side in (("BASE", m.base), ("NEW", m.new)):
+        if side.unknown_impls:
+            notes.append(f"--impl {', '.join(side.unknown_impls)}: not registered in {name}; measured on the other "
+                         "side only")
+    if m.only_base or m.only_new:
+        notes.append(f"{len(m.only_base)} pairs only in BASE and {len(m.only_new)} only in NEW (different suite "
+                     "content or implementations): measured on their side, not compared")
+    return notes
+
+
+def _pct(fraction: float | None) -> str:
+    if fraction is None or not math.isfinite(fraction):
+        return "-"
+    return f"{fraction * 100:.1f}%"
+
+
+def run_ab(options: ABOptions, console: Console, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+           alpha: float = DEFAULT_ALPHA, describe: Callable[[PairMeasurement], str] | None = None) -> ABResult:
+    """Measure (bench.run.ab) and compare."""
+    check_levels(threshold_pct, alpha)  # before minutes of measuring
+    measurement = measure_ab(options, console, describe)
+    return compare_ab(measurement, threshold_pct=threshold_pct, alpha=alpha, seed=options.seed)
+

@@ -1,0 +1,262 @@
+"""`bench ab`: the measurement of every (case, impl) of both sides (called by bench.run.ab.measure_ab).
+
+A pair both sides have is opened on both at once, warmed untimed on each, timed in R rounds of one block per
+side in a drawn order, and closed on both at once; a distributed pair, a pair timed through the Triton
+interpreter, or a pair one side ended early, is measured once per side without interleaving; a pair of one side
+only is measured as `bench run` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+
+from bench.results.records import Record
+from bench.results.store import utc_now
+from bench.run import messages
+from bench.run.ab_side import (
+    DISTRIBUTED,
+    ENDED,
+    INTERLEAVED,
+    INTERPRETER,
+    ONE_SIDE,
+    RANKS_SLACK_S,
+    WARM_BLOCKS,
+    ABMeasurement,
+    ABOptions,
+    Key,
+    PairMeasurement,
+    Side,
+    failed_record,
+    read_record,
+)
+from bench.run.console import Reporter
+from bench.run.worker import Outcome
+
+
+def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
+                   describe: Callable[[PairMeasurement], str] | None) -> ABMeasurement:
+    base, new = sides
+    assert base.loaded is not None and new.loaded is not None
+    b_pairs = {(p.case_id, p.impl): p for p in base.loaded.pairs}
+    n_pairs = {(p.case_id, p.impl): p for p in new.loaded.pairs}
+    keys = list(dict.fromkeys([*n_pairs, *b_pairs]))
+    reporter = Reporter(len(keys), console)
+    pairs: list[PairMeasurement] = []
+    only_base: list[PairMeasurement] = []
+    only_new: list[PairMeasurement] = []
+    try:
+        for key in keys:
+            bp, np_ = b_pairs.get(key), n_pairs.get(key)
+            label = (np_ or bp).label  # type: ignore[union-attr]
+            reporter.start(label, key[1])
+            if bp is not None and np_ is not None:
+                pm = _measure_common(base, new, bp, np_, options)
+                pairs.append(pm)
+            else:
+                side, sp = (base, bp) if bp is not None else (new, np_)
+                assert sp is not None
+                record = _measure_alone(side, sp)
+                side.write(record)
+                pm = PairMeasurement(sp.case_id, sp.impl, label, ONE_SIDE, record if side is base else None,
+                                     record if side is new else None)
+                (only_base if side is base else only_new).append(pm)
+            reporter.finish_line(describe(pm) if describe else _describe(pm))
+    finally:
+        reporter.close()
+    assert base.run is not None and new.run is not None
+    return ABMeasurement(base.run, new.run, pairs, only_base, only_new, options.rounds, options.block_s,
+                         options.block_calls, 0.0, options.threads, base.cpus)
+
+
+def _describe(pm: PairMeasurement) -> str:
+    head = f"{pm.label} | {pm.impl}: "
+    if pm.mode == INTERLEAVED and pm.rounds:
+        ratios = [statistics.median(n) / statistics.median(b) for b, n in pm.rounds if b and n]
+        return head + f"NEW/BASE {statistics.median(ratios):.3f} over {len(ratios)} rounds"
+    statuses = " | ".join(f"{name} {r.status}" for name, r in (("BASE", pm.base), ("NEW", pm.new)) if r is not None)
+    return head + statuses + (f" ({pm.mode})" if pm.mode != ONE_SIDE else " (one side only)")
+
+
+def _pair_seed(options: ABOptions, key: Key) -> int:
+    digest = hashlib.sha256(f"{options.seed}:{key[0]}|{key[1]}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def round_orders(rounds: int, rng: random.Random) -> list[str]:
+    """As many BASE-first as NEW-first rounds (one more of either, drawn, when odd), shuffled."""
+    orders = ["BN"] * (rounds // 2) + ["NB"] * (rounds // 2)
+    if rounds % 2:
+        orders.append(rng.choice(["BN", "NB"]))
+    rng.shuffle(orders)
+    return orders
+
+
+def _measure_alone(side: Side, pair: messages.SuitePair) -> Record:
+    """A pair of one side only, measured as `bench run` does."""
+    started = utc_now()
+    worker = side.start()
+    if worker is None:
+        return failed_record(pair, side.start_failure or "worker failed to start", "startup", started)
+    if pair.world_size > 1:
+        outcome = worker.measure_ranks_json(pair.task, side.timeout_s + RANKS_SLACK_S, _ranks_log(side))
+    else:
+        outcome = worker.measure_json(pair.task, side.timeout_s)
+    if outcome.record is not None:
+        return read_record(side, outcome.record)
+    side.lost()
+    return failed_record(pair, outcome.failure or "worker failed", outcome.kind, started)
+
+
+def _ranks_log(side: Side) -> Path | None:
+    return side.run.run_dir / "ranks.log" if side.run is not None else None
+
+
+def _measure_common(base: Side, new: Side, bp: messages.SuitePair, np_: messages.SuitePair,
+                    options: ABOptions) -> PairMeasurement:
+    label = np_.label
+    if bp.world_size > 1 or np_.world_size > 1:
+        records = [_measure_alone(side, sp) for side, sp in ((base, bp), (new, np_))]
+        for side, record in zip((base, new), records, strict=True):
+            side.write(record)
+        return PairMeasurement(bp.case_id, bp.impl, label, DISTRIBUTED, records[0], records[1],
+                               note="distributed pair: fresh rank processes per measurement, so its time is "
+                                    "measured once per side and not interleaved")
+    opened = _open_both(base, new, bp, np_)
+    session: dict[str, bool] = {"base": opened[0] is None, "new": opened[1] is None}
+    finals: dict[str, Record | None] = {"base": opened[0], "new": opened[1]}
+    rounds: list[tuple[list[float], list[float]]] = []
+    orders: list[str] = []
+    mode, note = INTERLEAVED, None
+    sides = {"base": (base, bp), "new": (new, np_)}
+    if session["base"] and session["new"]:
+        interpreter = [_interpreter(side) for side in (base, new)]
+        if any(interpreter):
+            mode = INTERPRETER
+            note = "timed through the Triton interpreter on CPU (correctness only, not kernel speed): one block " \
+                   "per side, not interleaved"
+    else:
+        mode = ENDED
+        note = "a side ended before timing (skipped or failed): not interleaved"
+    if mode == INTERLEAVED:
+        for name in ("base", "new"):  # untimed, each side alone: the first calls after an open are slow
+            side, sp = sides[name]
+            lost = side.worker.warm(options.block_calls, WARM_BLOCKS * options.block_s, side.timeout_s) \
+                if side.worker is not None else Outcome(None, "worker process lost", "warm-up", "died")
+            if lost is not None:
+                side.lost()
+                finals[name] = failed_record(sp, lost.failure or "worker failed", lost.kind, utc_now())
+                session[name] = False
+                mode, note = ENDED, "a side failed during its warm-up: not interleaved"
+    if mode == INTERLEAVED:
+        rng = random.Random(_pair_seed(options, (bp.case_id, bp.impl)))
+        for order in round_orders(options.rounds, rng):
+            samples: dict[str, list[float]] = {}
+            for name in ("base", "new") if order == "BN" else ("new", "base"):
+                side, sp = sides[name]
+                got = _block(side, options.block_calls, options.block_s)
+                if isinstance(got, Outcome):
+                    finals[name] = failed_record(sp, got.failure or "worker failed", got.kind, utc_now())
+                    session[name] = False
+                    break
+                samples[name] = got
+            if len(samples) < 2:
+                mode, note = ENDED, "a side failed during the rounds; the rounds before it are not compared"
+                rounds, orders = [], []
+                break
+            rounds.append((samples["base"], samples["new"]))
+            orders.append(order)
+    else:
+        for name in ("base", "new"):
+            side, sp = sides[name]
+            if session[name]:
+                got = _block(side, max(side.loaded.repeat if side.loaded else 3, options.block_calls), 0.0)
+                if isinstance(got, Outcome):
+                    finals[name] = failed_record(sp, got.failure or "worker failed", got.kind, utc_now())
+                    session[name] = False
+    closed = _close_both(base, new, bp, np_, session)
+    for name, owner in (("base", base), ("new", new)):
+        final = finals[name] if closed[name] is None else closed[name]
+        assert final is not None
+        finals[name] = final
+        owner.write(final)
+    return PairMeasurement(bp.case_id, bp.impl, label, mode, finals["base"], finals["new"], rounds, orders, note)
+
+
+def _open_both(base: Side, new: Side, bp: messages.SuitePair, np_: messages.SuitePair) -> list[Record | None]:
+    """Open the pair on both sides at once; per side None (open, warm) or its final record."""
+    started = utc_now()
+    sent: list[tuple[Side, messages.SuitePair, bool]] = []
+    finals: list[Record | None] = []
+    for side, sp in ((base, bp), (new, np_)):
+        worker = side.start()
+        if worker is None:
+            sent.append((side, sp, False))
+            continue
+        warmup = side.loaded.warmup if side.loaded is not None else 1
+        failed = worker.send({"type": "open", "task": sp.task, "warmup": warmup})
+        if failed is not None:
+            side.lost()
+        sent.append((side, sp, failed is None))
+    for side, sp, ok in sent:
+        if not ok or side.worker is None:
+            reason = side.start_failure or "worker process died before the open started"
+            finals.append(failed_record(sp, reason, "startup" if side.start_failure else "died", started))
+            continue
+        answer, outcome = side.worker.await_answer(side.timeout_s, messages.Opened)
+        if answer is None:
+            side.lost()
+            finals.append(failed_record(sp, outcome.failure or "worker failed", outcome.kind, started))
+        elif answer.record is not None:
+            finals.append(read_record(side, answer.record))
+        else:
+            finals.append(None)
+    return finals
+
+
+def _interpreter(side: Side) -> bool:
+    assert side.worker is not None
+    info = side.worker.describe(side.timeout_s)
+    if isinstance(info, Outcome):
+        side.lost()
+        return False
+    return info.interpreter
+
+
+def _block(side: Side, calls: int, min_s: float) -> list[float] | Outcome:
+    if side.worker is None:
+        return Outcome(None, "worker process lost", "timing", "died")
+    got = side.worker.block(calls, min_s, side.timeout_s)
+    if isinstance(got, Outcome):
+        side.lost()
+    return got
+
+
+def _close_both(base: Side, new: Side, bp: messages.SuitePair, np_: messages.SuitePair,
+                session: dict[str, bool]) -> dict[str, Record | None]:
+    """Close the open pair on both sides at once (memory, the record)."""
+    out: dict[str, Record | None] = {"base": None, "new": None}
+    waiting = []
+    for name, side, sp in (("base", base, bp), ("new", new, np_)):
+        if not session[name] or side.worker is None:
+            continue
+        failed = side.worker.send(messages.Close(), "memory")
+        if failed is not None:
+            side.lost()
+            out[name] = failed_record(sp, failed.failure or "worker died", failed.kind, utc_now())
+            continue
+        waiting.append((name, side, sp))
+    for name, side, sp in waiting:
+        assert side.worker is not None
+        answer, outcome = side.worker.await_answer(side.timeout_s, messages.RecordDone, "memory")
+        if answer is None:
+            side.lost()
+            out[name] = failed_record(sp, outcome.failure or "worker failed", outcome.kind, utc_now())
+        else:
+            out[name] = read_record(side, answer.record)
+    return out
