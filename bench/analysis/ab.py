@@ -62,6 +62,10 @@ class ABPair:
     reason: str | None = None  # NEW's reason (or BASE's) when a side did not run ok
     round_medians: list[tuple[float, float]] = field(default_factory=list)  # (BASE, NEW) block medians per round
     orders: list[str] = field(default_factory=list)  # per round: "BN" (BASE first) or "NB"
+    first: st.PairedTest | None = None  # the first trial alone, when there was a second
+    second: st.PairedTest | None = None  # the second trial (fresh workers) alone; `test` pools both
+    second_medians: list[tuple[float, float]] = field(default_factory=list)
+    not_repeated: bool = False  # the rounds read SLOWER or FASTER, the second trial alone did not repeat it
 
     @property
     def regression(self) -> bool:
@@ -152,7 +156,11 @@ def _pair_json(p: ABPair) -> dict[str, Any]:
                 "p_value": _num(t.p_value), "q_value": _num(p.q_value), "sigma_log": _num(t.sigma),
                 "se_log": _num(t.se), "mde_pct": _num(p.mde * 100) if p.mde is not None else None,
                 "median_base_s": _num(t.median_base), "median_new_s": _num(t.median_new), "note": t.note,
-                "round_medians_s": [[_num(b), _num(n)] for b, n in p.round_medians], "orders": p.orders}
+                "round_medians_s": [[_num(b), _num(n)] for b, n in p.round_medians], "orders": p.orders,
+                "first_ratio": _num(p.first.ratio) if p.first else None,
+                "second_ratio": _num(p.second.ratio) if p.second else None,
+                "second_round_medians_s": [[_num(b), _num(n)] for b, n in p.second_medians],
+                "not_repeated": p.not_repeated}
     return {"case_id": p.case_id, "impl": p.impl, "label": p.label, "mode": p.mode, "base_status": p.base_status,
             "new_status": p.new_status, "verdict": p.verdict, "time": time, "time_note": p.time_note,
             "changes": [{"figure": c.figure, "base": c.base, "new": c.new, "kind": c.kind} for c in p.changes],
@@ -190,6 +198,8 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
         if pair.test is not None:
             pair.verdict = st.verdict(pair.test, pair.q_value if pair.q_value is not None else 1.0, threshold, alpha)
             pair.mde = st.mde(pair.test, threshold, alpha)
+            if pair.verdict in (st.SLOWER, st.FASTER) and not st.repeated(pair.verdict, pair.second, threshold):
+                pair.verdict, pair.not_repeated = st.AMBIGUOUS, True
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
     notes = _notes(measurement, pairs, threshold, alpha, len(tested))
@@ -211,12 +221,21 @@ def _pair(pm: PairMeasurement, seed: int) -> ABPair:
         if record is not None and record.status != "ok" and record.reason and pair.reason is None:
             pair.reason = record.reason
     if pm.mode == INTERLEAVED and pair.base_status == "ok" and pair.new_status == "ok":
-        pair.test = st.paired_test(pm.rounds, seed_for(f"{pm.case_id}|{pm.impl}", seed))
-        pair.round_medians = [(statistics.median(b), statistics.median(n)) for b, n in pm.rounds if b and n]
+        pair_seed = seed_for(f"{pm.case_id}|{pm.impl}", seed)
+        pair.test = st.paired_test([*pm.rounds, *pm.confirm_rounds], pair_seed)
+        pair.round_medians = _medians(pm.rounds)
         pair.orders = list(pm.orders)
+        if pm.confirm_rounds:
+            pair.first = st.paired_test(pm.rounds, pair_seed)
+            pair.second = st.paired_test(pm.confirm_rounds, pair_seed)
+            pair.second_medians = _medians(pm.confirm_rounds)
     else:
         pair.time_note = pm.note or ("a side did not run ok" if pm.mode == INTERLEAVED else pm.mode)
     return pair
+
+
+def _medians(rounds: list[tuple[list[float], list[float]]]) -> list[tuple[float, float]]:
+    return [(statistics.median(b), statistics.median(n)) for b, n in rounds if b and n]
 
 
 def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float, n_tested: int) -> list[str]:
@@ -226,6 +245,15 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
         n = sum(p.mode == mode for p in pairs)
         if n:
             notes.append(text.format(n=n))
+    transient = [p for p in pairs if p.not_repeated]
+    if transient:
+        notes.append(f"{len(transient)} pairs read SLOWER or FASTER in their rounds but not again in a second trial "
+                     "on fresh workers: a transient state of one side's process, not a change; AMBIGUOUS")
+    seconds = sum(p.second is not None for p in pairs)
+    if seconds:
+        notes.append(f"{seconds} pairs that could read SLOWER or FASTER were measured again on fresh workers after "
+                     "the others (a second trial); their verdicts pool both trials and stand only if the second "
+                     "repeats the change")
     noisy = [p for p in pairs if p.verdict == st.NOISY]
     if noisy:
         worst = max(p.mde or 0.0 for p in noisy)
@@ -265,6 +293,11 @@ def run_ab(options: ABOptions, console: Console, *, threshold_pct: float = DEFAU
            alpha: float = DEFAULT_ALPHA, describe: Callable[[PairMeasurement], str] | None = None) -> ABResult:
     """Measure (bench.run.ab) and compare."""
     check_levels(threshold_pct, alpha)  # before minutes of measuring
-    measurement = measure_ab(options, console, describe)
+    threshold = threshold_pct / 100
+
+    def confirm(pm: PairMeasurement) -> bool:
+        return st.needs_second_trial(pm.rounds, seed_for(f"{pm.case_id}|{pm.impl}", options.seed), threshold, alpha)
+
+    measurement = measure_ab(options, console, describe, confirm)
     return compare_ab(measurement, threshold_pct=threshold_pct, alpha=alpha, seed=options.seed)
 

@@ -90,8 +90,8 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def measure_ab(options: ABOptions, console: Console,
-               describe: Callable[[PairMeasurement], str] | None = None) -> ABMeasurement:
+def measure_ab(options: ABOptions, console: Console, describe: Callable[[PairMeasurement], str] | None = None,
+               confirm: Callable[[PairMeasurement], bool] | None = None) -> ABMeasurement:
     """Measure both sides; raises BadInput for bad input (nothing left behind), Interrupted/KeyboardInterrupt
     when stopped (worktrees removed, records so far kept, runs left without finished_at)."""
     options.check()
@@ -127,7 +127,7 @@ def measure_ab(options: ABOptions, console: Console,
             sides = [Side(co, logs / f"{co.role.lower()}-worker.log", options.out, options.worker_env(), cpus)
                      for co in checkouts]
             _start_and_load(sides, options, suite_rel)
-            measurement = measure_pairs(sides, options, console, describe)
+            measurement = measure_pairs(sides, options, console, describe, confirm)
             measurement.wall_s = time.perf_counter() - started
             completed = True
             return measurement

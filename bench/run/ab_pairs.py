@@ -40,7 +40,12 @@ from bench.run.worker import Outcome
 
 
 def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
-                   describe: Callable[[PairMeasurement], str] | None) -> ABMeasurement:
+                   describe: Callable[[PairMeasurement], str] | None,
+                   confirm: Callable[[PairMeasurement], bool] | None = None) -> ABMeasurement:
+    """Every pair once; then, for the pairs `confirm` picks (those that could read SLOWER or FASTER), a second
+    trial of R rounds on fresh workers (`confirm_rounds`). A state that favours one worker process for seconds
+    (its memory layout, where the scheduler put it) can fake a large change in the pairs measured meanwhile;
+    it does not survive new processes and a later moment, a real change does."""
     base, new = sides
     assert base.loaded is not None and new.loaded is not None
     b_pairs = {(p.case_id, p.impl): p for p in base.loaded.pairs}
@@ -67,11 +72,36 @@ def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
                                      record if side is new else None)
                 (only_base if side is base else only_new).append(pm)
             reporter.finish_line(describe(pm) if describe else _describe(pm))
+        doubtful = [pm for pm in pairs if pm.mode == INTERLEAVED and confirm is not None and confirm(pm)]
+        if doubtful:
+            _confirm(base, new, doubtful, b_pairs, n_pairs, options, reporter, describe)
     finally:
         reporter.close()
     assert base.run is not None and new.run is not None
     return ABMeasurement(base.run, new.run, pairs, only_base, only_new, options.rounds, options.block_s,
                          options.block_calls, 0.0, options.threads, base.cpus)
+
+
+def _confirm(base: Side, new: Side, doubtful: list[PairMeasurement], b_pairs: dict[Key, messages.SuitePair],
+             n_pairs: dict[Key, messages.SuitePair], options: ABOptions, reporter: Reporter,
+             describe: Callable[[PairMeasurement], str] | None) -> None:
+    """The second trial of each doubtful pair, on fresh workers of both sides (started at once); no record."""
+    for side in (base, new):
+        side.close()
+    for side in (base, new):
+        if side.start_failure is None:
+            side.spawn()
+    for side in (base, new):
+        if side.worker is not None:
+            side.ready()
+    reporter.extend(len(doubtful))
+    for pm in doubtful:
+        reporter.start(pm.label, pm.impl)
+        again = _measure_common(base, new, b_pairs[pm.key], n_pairs[pm.key], options, write=False)
+        pm.confirm_rounds = again.rounds if again.mode == INTERLEAVED else []
+        pm.confirm_orders = again.orders if again.mode == INTERLEAVED else []
+        line = describe(pm) if describe else _describe(again)
+        reporter.finish_line(f"second trial: {line}")
 
 
 def _describe(pm: PairMeasurement) -> str:
@@ -118,7 +148,7 @@ def _ranks_log(side: Side) -> Path | None:
 
 
 def _measure_common(base: Side, new: Side, bp: messages.SuitePair, np_: messages.SuitePair,
-                    options: ABOptions) -> PairMeasurement:
+                    options: ABOptions, write: bool = True) -> PairMeasurement:
     label = np_.label
     if bp.world_size > 1 or np_.world_size > 1:
         records = [_measure_alone(side, sp) for side, sp in ((base, bp), (new, np_))]
@@ -184,7 +214,8 @@ def _measure_common(base: Side, new: Side, bp: messages.SuitePair, np_: messages
         final = finals[name] if closed[name] is None else closed[name]
         assert final is not None
         finals[name] = final
-        owner.write(final)
+        if write:
+            owner.write(final)
     return PairMeasurement(bp.case_id, bp.impl, label, mode, finals["base"], finals["new"], rounds, orders, note)
 
 

@@ -107,6 +107,9 @@ class PairMeasurement:
     rounds: list[tuple[list[float], list[float]]] = field(default_factory=list)  # (BASE, NEW) samples per round
     orders: list[str] = field(default_factory=list)  # per round: "BN" (BASE first) or "NB"
     note: str | None = None
+    # the second trial (fresh workers, after every pair) of a pair that could read SLOWER or FASTER
+    confirm_rounds: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    confirm_orders: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> Key:

@@ -71,8 +71,14 @@ class Reporter:
         if self._progress is not None:
             self._progress.console.print(line, markup=False, highlight=False)
             self._progress.advance(self._task)
-        else:
-            print(line, flush=True)
+        else:  # to the console's own stream (stderr when stdout carries `--json`)
+            print(line, file=self.console.file, flush=True)
+
+    def extend(self, more: int) -> None:
+        """`more` items beyond those announced (`bench ab`'s second trials)."""
+        self.total += more
+        if self._progress is not None:
+            self._progress.update(self._task, total=self.total)
 
     def close(self) -> None:
         if self._progress is not None:
