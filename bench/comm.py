@@ -12,11 +12,21 @@ Ring accounting (per rank, for a buffer of S bytes over P ranks):
     reduce_scatter_tensor   (P-1) * s_out   (s_out: this rank's output; the input is P * s_out)
     all_to_all_single       the rows sent to the other ranks (uneven splits allowed; nothing to itself)
     broadcast               S, except the rank just before the root in the ring (pipelined ring)
-    send / batch_isend_irecv the tensors sent; recv sends nothing
+    send / batch_isend_irecv the tensors sent; recv sends nothing (blocking or started with
+                            `start_batch_isend_irecv`, whose transfers overlap what the rank computes meanwhile)
 
 Bandwidth as nccl-tests reports it (nccl-tests doc/PERFORMANCE.md): algbw = size / time, busbw = algbw *
 factor, with size and factor per op below. For every op busbw equals the ring bytes a rank sends divided by
 the time, which is what makes busbw comparable with the link's peak.
+
+Overlap. A blocking op's time is all exposed: the rank waits for it. `start_batch_isend_irecv` posts the
+transfers and returns a `Pending` at once; the rank computes, then calls `Pending.wait()`; how the time in
+flight and its hidden part are measured is in `bench.comm_timing`.
+
+Levels. Ops inside `with comm.level("ring"):` are also counted under that label (`levels_snapshot()`), so a
+scheme with two levels of communication (cp_usp: Ulysses all-to-alls inside groups, ring shifts across them)
+reports each level's bytes. The differentiable ops of `bench.comm_autograd` count their backward under the
+level their forward ran in.
 
 With one rank (no process group) every op is the local identity it reduces to and counts nothing, so a
 distributed implementation also runs in a single process (`bench.api.attention` with world_size 1).
@@ -27,11 +37,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from bench.comm_timing import LevelStats, OpStats, Pending, start_waiter
+
+__all__ = ["OPS", "P2P", "Communicator", "LevelStats", "OpStats", "Pending", "all_reduce_sent", "broadcast_sent",
+           "bus_factor", "current", "nbytes", "ring_chunks", "use"]
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
        "send", "recv", "batch_isend_irecv")
@@ -82,23 +97,6 @@ def nbytes(t: Tensor) -> int:
 
 # --- the counters ---------------------------------------------------------------------------------------
 
-@dataclass
-class OpStats:
-    """One op kind on one rank: calls, bytes sent (ring accounting), nccl-tests size, seconds."""
-
-    calls: int = 0
-    bytes_sent: int = 0
-    size_bytes: int = 0  # nccl-tests' "size" summed over calls; algbw = size / time
-    time_s: float = 0.0
-    pending: list[tuple[Any, Any]] = field(default_factory=list)  # CUDA events not yet read
-
-    def resolve(self) -> None:
-        for start, end in self.pending:
-            end.synchronize()
-            self.time_s += start.elapsed_time(end) / 1e3  # ms -> s
-        self.pending.clear()
-
-
 @dataclass(frozen=True)
 class P2P:
     """One point-to-point transfer for `batch_isend_irecv`: send `tensor` to `peer`, or recv into it."""
@@ -106,6 +104,7 @@ class P2P:
     kind: Literal["send", "recv"]
     tensor: Tensor
     peer: int
+    tag: int = 0  # matches a send with its recv where several transfers between two ranks are in flight
 
 
 class Communicator:
@@ -118,6 +117,8 @@ class Communicator:
         self.backend = backend
         self.counting = True
         self.stats: dict[str, OpStats] = {}
+        self.level_stats: dict[str, LevelStats] = {}
+        self.active_level: str | None = None
 
     @classmethod
     def from_group(cls, group: Any) -> Communicator:
@@ -129,6 +130,16 @@ class Communicator:
 
     def reset(self) -> None:
         self.stats = {}
+        self.level_stats = {}
+
+    @contextlib.contextmanager
+    def level(self, name: str | None) -> Iterator[None]:
+        """Ops inside are also counted under the level `name` (None: no level)."""
+        before, self.active_level = self.active_level, name
+        try:
+            yield
+        finally:
+            self.active_level = before
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -140,23 +151,35 @@ class Communicator:
             self.counting = before
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
-        """{op: {calls, bytes_sent, size_bytes, time_s}} since the last reset, CUDA op times resolved."""
+        """{op: {calls, bytes_sent, size_bytes, time_s, hidden_s}} since the last reset, CUDA op times resolved."""
         out = {}
         for op, s in self.stats.items():
             s.resolve()
             out[op] = {"calls": s.calls, "bytes_sent": s.bytes_sent, "size_bytes": s.size_bytes,
-                       "time_s": s.time_s}
+                       "time_s": s.time_s, "hidden_s": s.hidden_s}
         return out
+
+    def levels_snapshot(self) -> dict[str, dict[str, int]]:
+        """{level: {calls, bytes_sent}} of the ops counted under a level since the last reset."""
+        return {name: {"calls": s.calls, "bytes_sent": s.bytes_sent} for name, s in self.level_stats.items()}
+
+    def _count(self, op: str, sent: int, size: int) -> OpStats:
+        s = self.stats.setdefault(op, OpStats())
+        s.calls += 1
+        s.bytes_sent += sent
+        s.size_bytes += size
+        if self.active_level is not None:
+            level = self.level_stats.setdefault(self.active_level, LevelStats())
+            level.calls += 1
+            level.bytes_sent += sent
+        return s
 
     @contextlib.contextmanager
     def _op(self, op: str, sent: int, size: int, device: torch.device) -> Iterator[None]:
         if not self.counting or self.world_size == 1:
             yield
             return
-        s = self.stats.setdefault(op, OpStats())
-        s.calls += 1
-        s.bytes_sent += sent
-        s.size_bytes += size
+        s = self._count(op, sent, size)
         if device.type == "cuda":
             # Device events on the current stream: no host synchronisation inside the timed call.
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -256,17 +279,40 @@ class Communicator:
 
     def batch_isend_irecv(self, ops: Sequence[P2P]) -> None:
         """Post every send and receive at once (no ordering deadlock), return when all are done."""
-        import torch.distributed as dist
-
         if not ops:
             return
         sent = sum(nbytes(o.tensor) for o in ops if o.kind == "send")
         device = ops[0].tensor.device
         with self._op("batch_isend_irecv", sent, sent, device):
-            p2p = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, self._global(o.peer),
-                              group=self.group) for o in ops]
-            for request in dist.batch_isend_irecv(p2p):
+            for request in self._post(ops):
                 request.wait()
+
+    def start_batch_isend_irecv(self, ops: Sequence[P2P]) -> Pending:
+        """Post every send and receive at once and return without waiting: the rank computes while they are
+        in flight, then calls `wait()` on the result. Counted as batch_isend_irecv; its time in flight and the
+        part of it hidden behind compute are measured (module docstring, "Overlap")."""
+        if not ops or self.world_size == 1:
+            return Pending([])
+        sent = sum(nbytes(o.tensor) for o in ops if o.kind == "send")
+        device = ops[0].tensor.device
+        if not self.counting:
+            return Pending(self._post(ops))
+        stats = self._count("batch_isend_irecv", sent, sent)
+        if device.type == "cuda":
+            issue = torch.cuda.Event(enable_timing=True)
+            issue.record()
+            return Pending(self._post(ops), stats, events=(issue, None))
+        t_issue = time.perf_counter()
+        works = self._post(ops)
+        t_post = time.perf_counter()
+        return Pending(works, stats, t_issue=t_issue, t_post=t_post, waiter=start_waiter(works))
+
+    def _post(self, ops: Sequence[P2P]) -> list[Any]:
+        import torch.distributed as dist
+
+        p2p = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, self._global(o.peer),
+                          group=self.group, tag=o.tag) for o in ops]
+        return list(dist.batch_isend_irecv(p2p))
 
     def _global(self, group_rank: int) -> int:
         """Rank numbers in ops are group ranks; torch.distributed wants global ones."""

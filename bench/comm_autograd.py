@@ -9,6 +9,8 @@ tensor-parallel "mappings"): an op's backward is its adjoint.
     all_gather          forward all-gather along dim 0    backward reduce-scatter
     ring_shift          forward send to rank+1, recv from rank-1   backward the reverse shift
     all_to_all          forward all_to_all_single (uneven splits)  backward the transposed exchange
+
+The backward of each op is counted under the communication level its forward ran in (`Communicator.level`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import torch
 from torch import Tensor
 
 from bench.comm import P2P, Communicator, current
+
+
+def _remember(ctx: Any) -> Communicator:
+    """The current communicator and its level, kept on ctx for the backward."""
+    comm = current()
+    ctx.comm, ctx.level = comm, comm.active_level
+    return comm
 
 
 class _ReduceFromRanks(torch.autograd.Function):
@@ -41,6 +50,7 @@ class _CopyToRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *xs: Tensor) -> tuple[Tensor, ...]:
         ctx.shapes = [x.shape for x in xs]
+        _remember(ctx)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
@@ -48,7 +58,8 @@ class _CopyToRanks(torch.autograd.Function):
         filled = [torch.zeros(s, dtype=_dtype(grads), device=_device(grads)) if g is None else g
                   for g, s in zip(grads, ctx.shapes, strict=True)]
         flat = torch.cat([g.reshape(-1) for g in filled])  # one all-reduce for all of them
-        current().all_reduce(flat)
+        with ctx.comm.level(ctx.level):
+            ctx.comm.all_reduce(flat)
         parts = flat.split([g.numel() for g in filled])
         return tuple(part.view(s) for part, s in zip(parts, ctx.shapes, strict=True))
 
@@ -70,8 +81,7 @@ def copy_to_ranks(*xs: Tensor) -> tuple[Tensor, ...]:
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
-        comm = current()
-        ctx.comm = comm
+        comm = _remember(ctx)
         out = x.new_empty((comm.world_size, *x.shape))
         return comm.all_gather_into_tensor(out, x.contiguous())
 
@@ -79,7 +89,8 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         comm: Communicator = ctx.comm
         out = grad.new_empty(grad.shape[1:])
-        return comm.reduce_scatter_tensor(out, grad.contiguous())
+        with comm.level(ctx.level):
+            return comm.reduce_scatter_tensor(out, grad.contiguous())
 
 
 def all_gather(x: Tensor) -> Tensor:
@@ -90,13 +101,13 @@ def all_gather(x: Tensor) -> Tensor:
 class _RingShift(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
-        comm = current()
-        ctx.comm = comm
+        comm = _remember(ctx)
         return _shift(comm, x.contiguous(), +1)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return _shift(ctx.comm, grad.contiguous(), -1)
+        with ctx.comm.level(ctx.level):
+            return _shift(ctx.comm, grad.contiguous(), -1)
 
 
 def _shift(comm: Communicator, x: Tensor, direction: int) -> Tensor:
@@ -116,8 +127,8 @@ def ring_shift(x: Tensor) -> Tensor:
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
-        comm = current()
-        ctx.comm, ctx.send_splits, ctx.recv_splits = comm, send_splits, recv_splits
+        comm = _remember(ctx)
+        ctx.send_splits, ctx.recv_splits = send_splits, recv_splits
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
         return comm.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
 
@@ -125,7 +136,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         comm: Communicator = ctx.comm
         out = grad.new_empty((sum(ctx.send_splits), *grad.shape[1:]))
-        comm.all_to_all_single(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits)
+        with comm.level(ctx.level):
+            comm.all_to_all_single(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits)
         return out, None, None
 
 

@@ -9,6 +9,8 @@ from impls import (  # noqa: F401
     cp_allgather,
     cp_ring,
     cp_sparse,
+    cp_ulysses,
+    cp_usp,
     csr,
     dense,
     flex,

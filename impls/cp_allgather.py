@@ -1,7 +1,8 @@
 """`cp_allgather`: context parallelism with K/V all-gathered.
 
-The sequence is split in P contiguous chunks of C = N/P positions; every rank all-gathers K and V (one
-call, both stacked) and attends its own queries to the whole sequence under the pattern. Simple and
+The sequence is split over the P ranks by the case's cp_layout (C = N/P positions each: contiguous chunks or
+zigzag pairs); every rank all-gathers K and V (one call, both stacked) and attends its own queries to the whole
+sequence under the pattern, its mask's columns in the gathered order (rank by rank). Simple and
 pattern-blind: every rank receives all of K and V. In fwd_bwd the gradient of the gathered K/V is
 reduce-scattered back to the owners.
 """
@@ -19,7 +20,7 @@ from impls.parallel_common import attend, communicator_for, kv_row_bytes
 @register
 class AllGatherContextParallel(DistributedImpl):
     name = "cp_allgather"
-    description = "sequence split in P chunks; K/V all-gathered, local queries against the whole sequence"
+    description = "sequence split over P ranks; K/V all-gathered, local queries against the whole sequence"
     fwd_bwd = True
 
     def prepare(self, case, pattern, q, k, v):
@@ -27,12 +28,13 @@ class AllGatherContextParallel(DistributedImpl):
         shard = self.shard(case, comm.rank)
         q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
         b, hkv, n, d = k.shape
-        rows = torch.arange(shard.start, shard.stop)
-        mask = pattern.mask(rows[:, None], torch.arange(n)[None, :]).to(q.device)  # (C, N)
+        rows = shard.positions()
+        gathered_order = torch.cat([self.shard(case, src).positions() for src in range(comm.world_size)])
+        mask = pattern.mask(rows[:, None], gathered_order[None, :]).to(q.device)  # (C, N)
 
         def call():
             gathered = all_gather(torch.stack((k_r, v_r)))  # (P, 2, B, H, C, D)
-            kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, n, d)  # chunks in sequence order
+            kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, n, d)  # ranks' positions in rank order
             return attend(q_r, kv[0], kv[1], mask)
 
         return call
@@ -40,8 +42,9 @@ class AllGatherContextParallel(DistributedImpl):
     def expected_comm_bytes(self, case):
         """All-gather of K/V: each rank sends its chunk (C = N/P rows of 2*B*Hkv*D*e bytes) to P-1 ranks.
 
-        fwd: P * (P-1) * C * 2*B*H*D*e = 2 (P-1) * B*Hkv*N*D*e. fwd_bwd: twice that (the reduce-scatter of
-        dK/dV moves as much). Checkpoint: None (measured only). The pattern does not appear.
+        fwd: P * (P-1) * C * 2*B*Hkv*D*e = 2 (P-1) * B*Hkv*N*D*e, whatever the layout. fwd_bwd: twice that
+        (the reduce-scatter of dK/dV moves as much). Checkpoint: None (measured only). The pattern does not
+        appear.
         """
         if case.checkpoint:
             return None

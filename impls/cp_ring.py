@@ -1,70 +1,65 @@
-"""`cp_ring`: context parallelism with ring attention.
+"""`cp_ring`: context parallelism with ring attention, communication overlapped with compute.
 
-The sequence is split in P contiguous chunks of C = N/P positions; rank r owns queries, keys and values of
-chunk r. K and V of each chunk travel round the ring: at step t rank r holds chunk (r - t) mod P, attends
-to it, and passes it on (P-1 shifts). Partial results are merged with their log-sum-exps, so no rank ever
-holds more than two K/V chunks at once in the forward pass. Blocks with no allowed pair are not computed,
-but K/V still go round the whole ring: the bytes do not depend on the pattern.
+The sequence is split over the P ranks by the case's cp_layout (contiguous: chunk r of P; zigzag: chunks r and
+2P-1-r of 2P, which balances a causal mask); rank r owns queries, keys and values of its positions. K and V of
+each rank travel round the ring: at step t rank r holds the block of rank (r - t) mod P and attends to it while
+the shift that brings the next block is already in flight (isend/irecv through bench.comm, started before the
+block's compute and waited for after it, as ring-flash-attention and PyTorch's context parallel do). Partial
+results are merged with their log-sum-exps, so no rank ever holds more than two K/V blocks at once. Blocks
+with no allowed pair are not computed, but K/V still go round the whole ring: the bytes do not depend on the
+pattern.
 
-Each shift is a blocking batch_isend_irecv (no overlap of communication with compute). In fwd_bwd autograd
-keeps the received chunks and sends dK/dV back round the ring, one reverse shift per forward shift.
+fwd_bwd: the backward is written out (`impls.parallel_common.ring_attention`): K/V go round again while each
+block's gradients are computed, and each block's dK/dV (float32 for low precision) travel with it back to the
+owner, also overlapped. Shifts are counted under the level "ring".
 """
 
 from __future__ import annotations
 
 import torch
 
-from bench.comm_autograd import keep_in_graph, ring_shift
 from bench.registry import register
 from bench.sharding import DistributedImpl
-from impls.parallel_common import attend_with_lse, communicator_for, kv_row_bytes, merge
+from impls.parallel_common import Ring, communicator_for, ring_attention, ring_bytes
 
 
 @register
 class RingContextParallel(DistributedImpl):
     name = "cp_ring"
-    description = "sequence split in P chunks; K/V passed round the ring (P-1 shifts), log-sum-exp merge"
+    description = ("sequence split over P ranks (contiguous or zigzag); K/V passed round the ring, the next shift "
+                   "in flight while the current block computes; log-sum-exp merge")
     fwd_bwd = True
 
     def prepare(self, case, pattern, q, k, v):
         comm = communicator_for(case)
         p, r = comm.world_size, comm.rank
         shard = self.shard(case, r)
-        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D), views
-        c = shard.stop - shard.start
-        rows = torch.arange(shard.start, shard.stop)
+        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
+        rows = shard.positions()
         masks: list[torch.Tensor | None] = []
         for step in range(p):
-            src = (r - step) % p
-            cols = torch.arange(src * c, (src + 1) * c)
+            cols = self.shard(case, (r - step) % p).positions()
             mask = pattern.mask(rows[:, None], cols[None, :])  # (C, C)
             masks.append(mask.to(q.device) if bool(mask.any()) else None)
+        ring = Ring(comm, p, (r + 1) % p, (r - 1) % p, tuple(masks))
 
         def call():
-            kv = torch.stack((k_r, v_r))  # (2, B, H, C, D)
-            out = lse = None
-            unused = []  # chunks with no allowed pair here: kept in the graph so their shifts' backward runs
-            for step in range(p):
-                if step:
-                    kv = ring_shift(kv)
-                if masks[step] is None:
-                    unused.append(kv)
-                    continue
-                o, l = attend_with_lse(q_r, kv[0], kv[1], masks[step])
-                out, lse = (o, l) if out is None else merge(out, lse, o, l)
-            out = torch.zeros_like(q_r) if out is None else out.to(q.dtype)
-            return keep_in_graph(out, *unused) if unused else out
+            return ring_attention(q_r, k_r, v_r, ring)
 
         return call
 
     def expected_comm_bytes(self, case):
-        """Every rank sends its current K/V chunk (C = N/P rows of 2*B*Hkv*D*e bytes) P-1 times.
+        """Every rank sends its current K/V block (C = N/P rows of 2*B*Hkv*D*e bytes) P-1 times.
 
-        fwd: P * (P-1) * C * 2*B*H*D*e = 2 (P-1) * B*Hkv*N*D*e. fwd_bwd: twice that (dK/dV go back round the
-        ring). Checkpoint: None (recomputation re-runs shifts; measured only). The pattern does not appear.
+        fwd: P * (P-1) * C * 2*B*Hkv*D*e = (P-1) * N * 2*B*Hkv*D*e, whatever the layout. fwd_bwd: K/V go round
+        again (as much again) and the dK/dV of every block make P shifts back to its owner, in the accumulation
+        dtype a (4 bytes: float32): + (P-1) * N * 2*B*Hkv*D*e + P * N * 2*B*Hkv*D*a. Checkpoint: None
+        (recomputation re-runs shifts; measured only). The pattern does not appear.
         """
         if case.checkpoint:
             return None
-        p = case.world_size
-        forward = (p - 1) * case.seq_len * kv_row_bytes(case)
-        return forward if case.mode == "fwd" else 2 * forward
+        return ring_bytes(case, case.world_size, case.n_kv_heads)
+
+    def expected_comm_bytes_by_level(self, case):
+        total = self.expected_comm_bytes(case)
+        return None if total is None else {"ring": total}

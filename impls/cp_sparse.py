@@ -1,8 +1,9 @@
 """`cp_sparse`: context parallelism that fetches only the K/V blocks the pattern needs.
 
-The sequence is split in P contiguous chunks of C = N/P positions. From the pattern's block layout at the
-case's block_size, rank r needs key block kb when any query block overlapping its chunk has kb in its
-layout row; of those blocks it fetches the positions other ranks own (for a local window: a halo of whole
+The sequence is split over the P ranks by the case's cp_layout (C = N/P positions each: contiguous chunks or
+zigzag pairs). From the pattern's block layout at the case's block_size, rank r needs key block kb when any
+query block overlapping its positions has kb in its layout row; of those blocks it fetches the positions other
+ranks own (for a local window: a halo of whole
 blocks on each side; for longformer also the global blocks, and rank 0, whose global queries see every key,
 fetches everything; for block_random the kept blocks). One all_to_all_single with uneven splits moves them;
 the rank then attends its queries to its own chunk plus what it fetched. In fwd_bwd the gradients of the
@@ -15,7 +16,7 @@ import torch
 
 from bench.comm_autograd import all_to_all
 from bench.registry import register
-from bench.sharding import DistributedImpl, even_split
+from bench.sharding import DistributedImpl, Shard, sequence_shard
 from impls.parallel_common import attend, communicator_for, kv_row_bytes
 
 
@@ -25,37 +26,51 @@ def needed_keys(pattern, case) -> list[torch.Tensor]:
     layout = pattern.block_layout(bs)  # (nb, nb) bool
     out = []
     for rank in range(p):
-        start, stop = even_split(n, p, rank)
-        key_blocks = layout[start // bs : (stop - 1) // bs + 1].any(dim=0)  # (nb,)
+        shard = sequence_shard(case, rank)
+        key_blocks = torch.zeros(layout.shape[1], dtype=torch.bool)
+        for start, stop in shard.ranges:
+            key_blocks |= layout[start // bs : (stop - 1) // bs + 1].any(dim=0)  # (nb,)
         wanted = key_blocks.repeat_interleave(bs)[:n].clone()  # (N,) block -> its positions
-        wanted[start:stop] = False  # its own chunk is local
+        wanted[shard.positions()] = False  # its own positions are local
         out.append(torch.nonzero(wanted).flatten())
     return out
+
+
+def owners(shards: list[Shard], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner rank, index within the owner's shard) of every position, int64 (N,) each."""
+    owner, local = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    for rank, shard in enumerate(shards):
+        positions = shard.positions()
+        owner[positions] = rank
+        local[positions] = torch.arange(len(positions))
+    return owner, local
 
 
 @register
 class SparseContextParallel(DistributedImpl):
     name = "cp_sparse"
-    description = "sequence split in P chunks; each rank fetches only the K/V blocks its queries need (all-to-all)"
+    description = ("sequence split over P ranks; each rank fetches only the K/V blocks its queries need "
+                   "(all-to-all)")
     fwd_bwd = True
 
     def prepare(self, case, pattern, q, k, v):
         comm = communicator_for(case)
         p, r = comm.world_size, comm.rank
-        shard = self.shard(case, r)
+        shards = [self.shard(case, rank) for rank in range(p)]
+        shard = shards[r]
         q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
         needed = needed_keys(pattern, case)
-        c = shard.stop - shard.start
-        # What this rank sends to each rank (positions in its own chunk), and receives from each owner.
-        send_rows = [torch.zeros(0, dtype=torch.int64) if dst == r else
-                     needed[dst][(needed[dst] >= shard.start) & (needed[dst] < shard.stop)] - shard.start
-                     for dst in range(p)]
-        recv_splits = [0 if src == r else int(((needed[r] >= src * c) & (needed[r] < (src + 1) * c)).sum())
-                       for src in range(p)]
+        owner, local_index = owners(shards, case.seq_len)
+        # What this rank sends to each rank (indices into its own positions), and receives from each owner:
+        # every owner's rows in position order, owners in rank order.
+        send_rows = [torch.zeros(0, dtype=torch.int64) if dst == r
+                     else local_index[needed[dst][owner[needed[dst]] == r]] for dst in range(p)]
+        fetched = [needed[r][owner[needed[r]] == src] for src in range(p)]
+        recv_splits = [len(rows) for rows in fetched]
         send_splits = [len(rows) for rows in send_rows]
         send_index = torch.cat(send_rows).to(q.device)
-        keys = torch.cat((torch.arange(shard.start, shard.stop), needed[r]))  # own chunk, then fetched
-        rows = torch.arange(shard.start, shard.stop)
+        rows = shard.positions()
+        keys = torch.cat((rows, *fetched))  # own positions, then the fetched ones in the order they arrive
         mask = pattern.mask(rows[:, None], keys[None, :]).to(q.device)  # (C, C + fetched)
 
         def call():
@@ -69,12 +84,13 @@ class SparseContextParallel(DistributedImpl):
     def expected_comm_bytes(self, case):
         """Sum over ranks r of the positions r fetches, times 2*B*Hkv*D*e bytes (K and V of the KV heads):
 
-            sum_r |{ j not in chunk r : layout[qb, j // bs] for some query block qb overlapping chunk r }|
+            sum_r |{ j not owned by r : layout[qb, j // bs] for some query block qb overlapping r's positions }|
 
-        with layout the pattern's block layout at block_size bs. fwd_bwd: twice that (the gradients of the
-        fetched rows go back). Checkpoint: None (measured only). Local window W, C a multiple of bs, and
-        ceil((W//2)/bs) blocks within C: 2 (P-1) * ceil((W//2)/bs) * bs positions, so against cp_ring's
-        (P-1) * N the ratio is about W/N.
+        with layout the pattern's block layout at block_size bs and the positions of the case's cp_layout.
+        fwd_bwd: twice that (the gradients of the fetched rows go back). Checkpoint: None (measured only).
+        Local window W, contiguous, C a multiple of bs, and ceil((W//2)/bs) blocks within C: 2 (P-1) *
+        ceil((W//2)/bs) * bs positions, so against cp_ring's (P-1) * N the ratio is about W/N; zigzag has
+        twice the boundaries between ranks (2P-2 of the 2P-1 between its 2P chunks), so about twice the halo.
         """
         if case.checkpoint:
             return None

@@ -83,12 +83,17 @@ def comm_records() -> list[Record]:
             "backend": "gloo", "bytes_total": ring_counted, "bytes_max_rank": ring_counted // world,
             "by_op": {"send_recv": {"calls": world - 1, "bytes_total": ring_counted,
                                     "bytes_max_rank": ring_counted // world}},
-            "expected_bytes": ring_expected, "world_size": world}))
+            "expected_bytes": ring_expected, "world_size": world,
+            "per_rank": [{"rank": r, "bytes": ring_counted // world, "flops": 1e6 * (r + 1), "comm_s": 1e-3,
+                          "hidden_s": 4e-4, "compute_s": 1e-3} for r in range(world)],
+            "imbalance": world / ((world + 1) / 2), "overlap_fraction": 0.4,
+            "by_level": {"ring": {"calls": world - 1, "bytes_total": ring_counted,
+                                  "bytes_max_rank": ring_counted // world, "expected_bytes": ring_expected}}}))
         ar = 2 * (world - 1) * 256 * 4 * 32 * 4 // world * world
         out.append(rec("tp_heads", p, 1e-3, comm={
             "backend": "gloo", "bytes_total": ar, "bytes_max_rank": ar // world,
             "by_op": {"all_reduce": {"calls": 1, "bytes_total": ar, "bytes_max_rank": ar // world}},
-            "expected_bytes": ar, "world_size": world}))
+            "expected_bytes": ar, "world_size": world, "imbalance": 1.0, "overlap_fraction": 0.0}))
     return out
 
 

@@ -72,6 +72,13 @@ CASES = {
                                               defaults__window=4), ["defaults.window", "must be odd"]),
     "neighborhood_without_width": (with_changes(defaults__pattern="neighborhood", defaults__window=3),
                                    ["image_width: not set", "set defaults.image_width or sweep it"]),
+    "zigzag_on_one_rank": (with_changes(defaults__cp_layout="zigzag"),
+                           ["defaults.cp_layout", "got cp_layout 'zigzag' with world_size 1", "needs world_size >= 2"]),
+    "unknown_cp_layout": (with_changes(defaults__world_size=2, defaults__cp_layout="diagonal"),
+                          ["defaults.cp_layout", "'contiguous' or 'zigzag'"]),
+    "ulysses_degree_not_dividing": (with_changes(defaults__world_size=4, defaults__ulysses_degree=3),
+                                    ["defaults.ulysses_degree", "got 3 with world_size 4",
+                                     "allowed ulysses_degree [1, 2, 4] (or null)"]),
 }
 
 

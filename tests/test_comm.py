@@ -88,7 +88,7 @@ def test_every_collective_gives_the_right_values_on_gloo(world):
     assert all(r["backend"] == "gloo" for r in reports)
     for section in ("ops", "autograd"):
         for name in reports[0][section]:
-            if name == "paused":
+            if name in ("paused", "started"):
                 continue
             assert all(r[section][name][0] for r in reports), f"{section}.{name} gave wrong values"
 
@@ -116,8 +116,21 @@ def test_counted_bytes_follow_the_ring_accounting(world):
     assert all(r["ops"]["paused"] == {} for r in reports)  # uncounted while paused
     for r in reports:
         for name, outcome in r["ops"].items():
-            for op, s in ({} if name == "paused" else outcome[1]).items():
-                assert s["calls"] == 1 and s["time_s"] > 0, (name, op, s)
+            for op, s in ({} if name in ("paused", "started") else outcome[1]).items():
+                assert s["calls"] == 1 and s["time_s"] > 0 and s["hidden_s"] == 0, (name, op, s)  # blocking
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_started_transfers_overlap_compute_and_count_their_level(world):
+    """Two shifts started at once, compute, then wait: right values, bytes as a blocking shift, counted under
+    the level they were started in; their time in flight measured and the hidden part within it."""
+    for r in ranks(world):
+        ok, snapshot, levels = r["ops"]["started"]
+        assert ok, r["rank"]
+        s = snapshot["batch_isend_irecv"]
+        assert s["calls"] == 2 and s["bytes_sent"] == (4 + 6) * F32
+        assert levels == {"ring": {"calls": 2, "bytes_sent": (4 + 6) * F32}}
+        assert s["time_s"] > 0 and 0 <= s["hidden_s"] <= s["time_s"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

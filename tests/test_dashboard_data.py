@@ -29,6 +29,7 @@ from bench.dashboard.render import build_dashboard
 from bench.dashboard.suite_page import build_suite_page, suite_file_name
 from bench.dashboard.views_breakeven import break_even, break_even_data, breakeven_figures
 from bench.dashboard.views_comm import comm_figure, comm_series
+from bench.dashboard.views_comm_balance import balance_figures
 from bench.dashboard.views_correctness import correctness_figure, correctness_matrix
 from bench.dashboard.views_history import history_figure, history_series
 from bench.dashboard.views_memory import memory_data, memory_figure, peak_figure, peak_series
@@ -401,6 +402,24 @@ def test_comm_points_over_closed_form(runs) -> None:
     assert {t["name"] for t in lines} == {"cp_ring closed form", "tp_heads closed form"}
     assert fig.notes == ["cp_ring: 1 record(s) differ from the closed form"]
     assert "comm gloo" in fig.provenance
+
+
+def test_balance_and_overlap_per_world_size(runs) -> None:
+    rows = facet_rows(runs["comm"], "local")
+    figures = {f.view: f for f in balance_figures(rows, Colours([]))}
+    assert set(figures) == {"imbalance", "overlap"}
+    for fig in figures.values():
+        go.Figure(fig.plotly)
+    imbalance = {t["name"]: t for t in figures["imbalance"].plotly["data"]}
+    assert imbalance["cp_ring"]["x"] == [2, 4] and imbalance["cp_ring"]["y"] == pytest.approx([4 / 3, 8 / 5])
+    assert imbalance["tp_heads"]["y"] == [1.0, 1.0]
+    assert "rank 3: 4e+06 FLOPs, comm 1 ms (hidden 0.4)" in imbalance["cp_ring"]["hovertext"][1]
+    overlap = {t["name"]: t["y"] for t in figures["overlap"].plotly["data"]}
+    assert overlap == {"cp_ring": [0.4, 0.4], "tp_heads": [0.0, 0.0]}
+    ring = next(r for r in rows if r.impl == "cp_ring" and r.params["world_size"] == 2)
+    assert ring.comm_by_level == {"ring": (2 * 256 * 4 * 32 * 4, 2 * 256 * 4 * 32 * 4)}
+    hover = next(t for t in comm_figure(rows, Colours([])).plotly["data"] if t["name"] == "cp_ring measured")
+    assert "level ring" in hover["hovertext"][0] and "= closed form" in hover["hovertext"][0]
 
 
 # --- break-even ------------------------------------------------------------------------------------------------

@@ -1,11 +1,17 @@
-"""`bench run` with world_size > 1: bytes in closed form, outputs and gradients against the oracle, faults.
+"""`bench run` with world_size > 1: bytes in closed form, outputs and gradients against the oracle, per-rank work,
+overlap, faults.
 
-- Under torchrun (`python -m torch.distributed.run`, which is what the `torchrun` script runs) with 2 and 4
-  CPU ranks: every distributed implementation on local, causal_local, block_random and longformer, fwd and
-  fwd_bwd. Each record must be ok (output and dq, dk, dv within tolerance of the float64 oracle), and its
-  counted bytes must equal the implementation's expected_comm_bytes and the closed form written here.
-- Without a launcher, the runner starts the ranks itself: a rank that raises, hangs or dies gives a failed
-  record naming it, no rank process survives, and the sweep goes on to a healthy pair.
+- Under torchrun (`python -m torch.distributed.run`, which is what the `torchrun` script runs) with 8 CPU ranks,
+  once: every distributed implementation at P = 2, 4 and 8 (the launcher's first P ranks form each pair's
+  group) on local, block_random, longformer, causal contiguous and zigzag, grouped-query attention and packed
+  documents, fwd and fwd_bwd. Each record must be ok (output and dq, dk, dv within tolerance of the float64
+  oracle), its counted bytes must equal the implementation's expected_comm_bytes and the closed form written
+  here (per level for cp_usp), and its per-rank rows must give the useful FLOPs, the imbalance and the
+  overlap fraction.
+- Without a launcher, the runner starts the ranks itself: the new schemes at P = 4 with the same checks, and a
+  rank that raises, hangs or dies gives a failed record naming it, no rank process survives, and the sweep
+  goes on to a healthy pair.
+- What a scheme cannot split says why (a skip). (Bad layouts and degrees in a suite file: tests/test_bad_input.py.)
 """
 
 from __future__ import annotations
@@ -21,67 +27,186 @@ import pytest
 from bench.patterns import make_pattern
 from tests.conftest import ROOT, only_run_dir, read_jsonl, run_bench, write_suite
 
-B, H, D, N, BS, E = 1, 4, 16, 128, 16, 4  # batch, heads, head_dim, seq_len, block_size, bytes per float32
-KV_ROW = 2 * B * H * D * E  # one position of K and V
+B, H, D, N, BS, E = 1, 8, 8, 128, 16, 4  # batch, heads, head_dim, seq_len, block_size, bytes per float32
+A = 4  # bytes per element of the accumulation dtype (float32): the ring's dK/dV
 PATTERNS = {"local": {"window": 16}, "causal_local": {"window": 24},
             "block_random": {"density": 0.3, "block_size": BS, "seed": 5},
-            "longformer": {"window": 16, "global_tokens": 4}}
-IMPLS = ["tp_heads", "cp_ring", "cp_allgather", "cp_sparse"]
+            "longformer": {"window": 16, "global_tokens": 4}, "causal": {}}
+IMPLS = ["tp_heads", "cp_ring", "cp_allgather", "cp_sparse", "cp_ulysses", "cp_usp"]
+SEQUENCE_SPLIT = ["cp_ring", "cp_allgather", "cp_sparse", "cp_ulysses", "cp_usp"]
+WORLDS = (2, 4, 8)
 
 
-def fetched_rows_by_rank(pattern: str, p: int, **structure) -> list[int]:
+def kv_row(kv_heads: int, e: int = E) -> int:
+    """Bytes of one position of K and V at kv_heads."""
+    return 2 * B * kv_heads * D * e
+
+
+def positions(p: int, rank: int, layout: str) -> list[int]:
+    if layout == "contiguous":
+        c = N // p
+        return list(range(rank * c, (rank + 1) * c))
+    c = N // (2 * p)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * p - 1 - rank) * c, (2 * p - rank) * c))
+
+
+def dense_mask(params: dict):
+    fields = {k: params[k] for k in ("window", "density", "block_size", "seed", "global_tokens", "dilation")
+              if k in params}
+    return make_pattern(params["pattern"], N, documents=params.get("documents"), **fields).dense_mask()
+
+
+def fetched_rows_by_rank(params: dict) -> list[int]:
     """cp_sparse, derived from the dense mask: per rank, the positions of other ranks' key blocks (of BS)
     that hold any pair allowed to one of its queries."""
-    mask = make_pattern(pattern, N, **PATTERNS[pattern], **structure).dense_mask()
-    c = N // p
+    mask = dense_mask(params)
+    p, layout = params["world_size"], params.get("cp_layout", "contiguous")
     rows = []
     for r in range(p):
-        blocks = mask[r * c : (r + 1) * c].reshape(c, N // BS, BS).any(dim=2).any(dim=0)  # key blocks needed
-        own = set(range(r * c // BS, (r + 1) * c // BS))
-        rows.append(BS * sum(1 for b in range(N // BS) if blocks[b] and b not in own))
+        mine = positions(p, r, layout)
+        blocks = mask[mine].reshape(len(mine), N // BS, BS).any(dim=2).any(dim=0)  # key blocks needed
+        rows.append(sum(1 for j in range(N) if blocks[j // BS] and j not in set(mine)))
     return rows
 
 
-def closed_form(impl: str, pattern: str, p: int, mode: str) -> int:
-    """Total bytes all ranks send per step, written out per implementation."""
-    c = N // p
-    if impl == "tp_heads":  # ring all-reduce of S = B N H D e: 2 (P-1) S; backward dq, dk, dv: 2 (P-1) 3S
-        s = B * N * H * D * E
-        return 2 * (p - 1) * s * (1 if mode == "fwd" else 4)
-    if impl in ("cp_ring", "cp_allgather"):  # every chunk reaches P-1 other ranks; backward moves as much
-        forward = p * (p - 1) * c * KV_ROW
-    elif pattern == "local":  # a halo of ceil((W//2)/bs) blocks on each side of each of the P-1 boundaries
-        forward = 2 * (p - 1) * math.ceil(16 // 2 / BS) * BS * KV_ROW
-    elif pattern == "causal_local":  # the left halo only: ceil((W-1)/bs) blocks
-        forward = (p - 1) * math.ceil((24 - 1) / BS) * BS * KV_ROW
-    elif pattern == "longformer":  # rank 0's global queries need every key; the others: halo + global block
-        halo = math.ceil(16 // 2 / BS) * BS
-        forward = ((p - 1) * c + (p - 1) * (halo + BS) + (p - 2) * halo) * KV_ROW
-    else:  # block_random: the kept blocks, counted from the dense mask
-        forward = sum(fetched_rows_by_rank(pattern, p)) * KV_ROW
-    return forward * (1 if mode == "fwd" else 2)
+def usp_degree(p: int, heads: int, kv_heads: int, given: int | None) -> int:
+    if given is not None:
+        return given
+    return max([d for d in range(1, p) if p % d == 0 and heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+               or [1])
 
 
-def expected_ops(impl: str, p: int, mode: str) -> dict[str, int]:
-    """Op -> calls per step."""
+def closed_form(impl: str, params: dict) -> dict[str, int]:
+    """Bytes all ranks send per step, written out per implementation, by level ("all" for one level)."""
+    p, mode, hkv = params["world_size"], params["mode"], params.get("kv_heads") or H
     bwd = mode == "fwd_bwd"
+    if impl == "tp_heads":  # ring all-reduce of S: 2 (P-1) S; backward dq (H heads), dk, dv (Hkv heads)
+        s_q, s_kv = B * N * H * D * E, B * N * hkv * D * E
+        return {"all": 2 * (p - 1) * (s_q + (s_q + 2 * s_kv if bwd else 0))}
+    if impl == "cp_allgather":  # every chunk reaches P-1 other ranks; backward moves as much
+        return {"all": (p - 1) * N * kv_row(hkv) * (2 if bwd else 1)}
+    if impl == "cp_sparse":
+        return {"all": sum(fetched_rows_by_rank(params)) * kv_row(hkv) * (2 if bwd else 1)}
+
+    def ulysses(u: int) -> int:  # q, k, v in and the output back: (u-1)/u of each rank's, KV heads repeated to u
+        kv = hkv if hkv % u == 0 else u
+        return (u - 1) * B * N * (2 * H + 2 * kv) * D * E // u * (2 if bwd else 1)
+
+    def ring(r: int, kv: int) -> int:  # (R-1) K/V shifts; backward: again, plus R dK/dV shifts in float32
+        return (r - 1) * N * kv_row(kv) * (2 if bwd else 1) + (r * N * kv_row(kv, A) if bwd and r > 1 else 0)
+
+    if impl == "cp_ring":
+        return {"ring": ring(p, hkv)}
+    if impl == "cp_ulysses":
+        return {"ulysses": ulysses(p)}
+    u = usp_degree(p, H, hkv, params.get("ulysses_degree"))
+    return {"ulysses": ulysses(u) if u > 1 else 0, "ring": ring(p // u, hkv if hkv % u == 0 else u)}
+
+
+def expected_ops(impl: str, params: dict) -> dict[str, int]:
+    """Op -> calls per step."""
+    p, bwd = params["world_size"], params["mode"] == "fwd_bwd"
+    hkv = params.get("kv_heads") or H
+    shifts = lambda r: (3 * r - 2 if bwd else r - 1)  # noqa: E731 - forward R-1; backward R-1 of K/V and R of dK/dV
+    if impl == "cp_usp":
+        u = usp_degree(p, H, hkv, params.get("ulysses_degree"))
+        return {**({"all_to_all_single": 4 if bwd else 2} if u > 1 else {}),
+                **({"batch_isend_irecv": shifts(p // u)} if p // u > 1 else {})}
     return {"tp_heads": {"all_reduce": 2 if bwd else 1},
-            "cp_ring": {"batch_isend_irecv": (p - 1) * (2 if bwd else 1)},
+            "cp_ring": {"batch_isend_irecv": shifts(p)},
             "cp_allgather": {"all_gather_into_tensor": 1, **({"reduce_scatter_tensor": 1} if bwd else {})},
-            "cp_sparse": {"all_to_all_single": 2 if bwd else 1}}[impl]
+            "cp_sparse": {"all_to_all_single": 2 if bwd else 1},
+            "cp_ulysses": {"all_to_all_single": 4 if bwd else 2}}[impl]
+
+
+def rank_pairs(impl: str, params: dict) -> list[int]:
+    """Allowed (query head, query, key) triples each rank computes, from the dense mask."""
+    mask = dense_mask(params)
+    p, layout, hkv = params["world_size"], params.get("cp_layout", "contiguous"), params.get("kv_heads") or H
+    nnz = int(mask.sum())
+    if impl in ("tp_heads", "cp_ulysses"):
+        return [H // p * nnz] * p
+    if impl == "cp_usp":
+        u = usp_degree(p, H, hkv, params.get("ulysses_degree"))
+        groups = [[j for m in range(g * u, (g + 1) * u) for j in positions(p, m, layout)] for g in range(p // u)]
+        return [H // u * int(mask[groups[r // u]].sum()) for r in range(p)]
+    return [H * int(mask[positions(p, r, layout)].sum()) for r in range(p)]
+
+
+def check_record(r: dict) -> None:
+    """Everything a distributed record must satisfy against the closed forms written here."""
+    impl, params = r["impl"], r["params"]
+    p, mode = params["world_size"], params["mode"]
+    label = f"{impl} {r['case_id']}"
+    assert r["status"] == "ok", (label, r["reason"], r["details"])
+    assert r["error"]["rel_l2"] <= r["error"]["tolerance"], label
+    if mode == "fwd_bwd":
+        assert set(r["error"]["grads"]) == {"dq", "dk", "dv"}, label
+    comm = r["comm"]
+    assert comm["backend"] == "gloo" and comm["world_size"] == p and len(comm["bytes_per_rank"]) == p
+    levels = closed_form(impl, params)
+    assert comm["bytes_total"] == comm["expected_bytes"] == sum(levels.values()), (label, comm["bytes_total"], levels)
+    assert comm["bytes_total"] == sum(comm["bytes_per_rank"]) == sum(op["bytes_total"] for op in comm["by_op"].values())
+    assert comm["bytes_max_rank"] == max(comm["bytes_per_rank"])
+    if "all" in levels:
+        assert comm["by_level"] is None, label
+    else:  # every byte counted under its level, each level equal to its closed form
+        assert {k: (v["bytes_total"], v["expected_bytes"]) for k, v in comm["by_level"].items()} == {
+            k: (v, v) for k, v in levels.items()}, label
+    assert {op: s["calls"] for op, s in comm["by_op"].items()} == expected_ops(impl, params), label
+    for op, s in comm["by_op"].items():
+        assert s["time_s"] > 0 and s["busbw_gbps"] > 0, (label, op)
+    if impl == "cp_sparse":  # all-to-all: what rank r sends is what the others fetch from it; totals per rank differ
+        assert sum(comm["bytes_per_rank"]) == sum(fetched_rows_by_rank(params)) * kv_row(
+            params.get("kv_heads") or H) * (1 if mode == "fwd" else 2), label
+    else:
+        assert len(set(comm["bytes_per_rank"])) == 1, (label, comm["bytes_per_rank"])  # symmetric
+    # per rank: useful FLOPs from the mask, the imbalance of them, times and memory
+    per_rank = comm["per_rank"]
+    assert [row["rank"] for row in per_rank] == list(range(p))
+    assert [row["bytes"] for row in per_rank] == comm["bytes_per_rank"]
+    pairs = rank_pairs(impl, params)
+    factor = 4 * B * D * (2.5 if mode == "fwd_bwd" else 1)
+    assert [row["flops"] for row in per_rank] == pytest.approx([factor * x for x in pairs]), label
+    assert sum(row["flops"] for row in per_rank) == pytest.approx(r["flops"]), label  # no redundant useful work
+    assert comm["imbalance"] == pytest.approx(max(pairs) / (sum(pairs) / p)), label
+    for row in per_rank:
+        assert row["comm_s"] > 0 and 0 <= row["hidden_s"] <= row["comm_s"], (label, row)
+        assert row["exposed_s"] == pytest.approx(row["comm_s"] - row["hidden_s"])
+        assert row["step_s"] > 0 and row["compute_s"] >= 0 and row["peak_bytes"] is not None, (label, row)
+    overlapped = impl == "cp_ring" or (impl == "cp_usp" and levels.get("ring", 0) > 0)
+    assert 0 <= comm["overlap_fraction"] <= 1 and comm["overlap_method"] == "host", label
+    if not overlapped:  # blocking collectives hide nothing
+        assert comm["overlap_fraction"] == 0, label
+    assert r["memory"]["note"].startswith(f"largest of {p} ranks")
+    assert r["device"].endswith(f"x{p} ranks (gloo)") and r["config"]["backend"] == "gloo"
+    assert len(r["time_s"]["samples"]) == r["time_s"]["n"] >= 2
+
+
+def torchrun_sweeps() -> list[dict]:
+    """Per P: the patterns and modes each scheme runs at (fwd and fwd_bwd both appear at every P)."""
+    def block(pattern: str, p: int, mode: str, **extra) -> dict:
+        return {"defaults": {"pattern": pattern, **PATTERNS[pattern], "world_size": p, "mode": mode, **extra},
+                "sweep": {}}
+
+    sweeps = []
+    for p in WORLDS:
+        other = "fwd" if p == 4 else "fwd_bwd"
+        sweeps += [block("local", p, "fwd_bwd" if p == 4 else "fwd"), block("block_random", p, other),
+                   block("causal", p, other), block("causal", p, other, cp_layout="zigzag")]
+    sweeps += [block("longformer", 4, "fwd"), block("causal_local", 2, "fwd_bwd"),
+               block("local", 2, "fwd_bwd", kv_heads=2, documents=[40, 88]),  # GQA, kv_heads % P == 0
+               block("local", 8, "fwd", kv_heads=2),  # P % kv_heads == 0: Ulysses repeats the KV heads
+               block("causal", 8, "fwd_bwd", cp_layout="zigzag", ulysses_degree=2),  # USP: 4 rings of 2 groups
+               block("local", 9, "fwd")]  # more ranks than the launcher started
+    return sweeps
 
 
 def suite_for(world: int) -> dict:
-    sweeps = [{"defaults": {"pattern": name, **fields}, "sweep": {"mode": ["fwd", "fwd_bwd"]}}
-              for name, fields in PATTERNS.items()]
-    impls = list(IMPLS)
-    if world == 2:  # also: a world_size-1 pair (the leader's worker) and a pair needing more ranks (a skip)
-        sweeps.append({"defaults": {"pattern": "local", "window": 16, "world_size": 1}, "sweep": {}})
-        sweeps.append({"defaults": {"pattern": "local", "window": 16, "world_size": 4}, "sweep": {}})
-        impls.append("dense")
-    return {"name": f"torchrun{world}", "impls": impls,
-            "defaults": {"batch": B, "heads": H, "head_dim": D, "seq_len": N, "block_size": BS, "device": "cpu",
-                         "world_size": world},
+    sweeps = torchrun_sweeps()
+    sweeps.append({"defaults": {"pattern": "local", "window": 16, "world_size": 1}, "sweep": {}})
+    return {"name": f"torchrun{world}", "impls": [*IMPLS, "dense"],
+            "defaults": {"batch": B, "heads": H, "head_dim": D, "seq_len": N, "block_size": BS, "device": "cpu"},
             "sweeps": sweeps, "measure": {"warmup": 1, "repeat": 2, "max_time_s": 0.01, "timeout_s": 120}}
 
 
@@ -107,99 +232,125 @@ def tmp_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("distributed"))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_torchrun_bytes_equal_the_closed_forms_and_outputs_match_the_oracle(world, tmp_root):
-    records = [r for r in torchrun_records(world, tmp_root) if r["params"]["world_size"] == world
-               and r["impl"] in IMPLS]
-    assert len(records) == len(IMPLS) * len(PATTERNS) * 2
-    for r in records:
-        impl, pattern, mode = r["impl"], r["params"]["pattern"], r["params"]["mode"]
-        label = f"{impl} {pattern} {mode} P={world}"
-        assert r["status"] == "ok", (label, r["reason"], r["details"])
-        assert r["error"]["rel_l2"] <= r["error"]["tolerance"]
-        if mode == "fwd_bwd":
-            assert set(r["error"]["grads"]) == {"dq", "dk", "dv"}, label
-        comm = r["comm"]
-        assert comm["backend"] == "gloo" and comm["world_size"] == world and len(comm["bytes_per_rank"]) == world
-        assert comm["bytes_total"] == comm["expected_bytes"] == closed_form(impl, pattern, world, mode), label
-        assert comm["bytes_total"] == sum(comm["bytes_per_rank"]) == sum(
-            op["bytes_total"] for op in comm["by_op"].values())
-        assert comm["bytes_max_rank"] == max(comm["bytes_per_rank"])
-        assert {op: s["calls"] for op, s in comm["by_op"].items()} == expected_ops(impl, world, mode), label
-        for op, s in comm["by_op"].items():
-            assert s["time_s"] > 0 and s["busbw_gbps"] > 0, (label, op)
-        if impl == "cp_sparse":
-            per_rank = [rows * KV_ROW * (1 if mode == "fwd" else 2) for rows in fetched_rows_by_rank(pattern, world)]
-            # all-to-all: what rank r sends is what the others fetch from it; totals per rank differ
-            assert sum(comm["bytes_per_rank"]) == sum(per_rank), label
-        else:
-            assert len(set(comm["bytes_per_rank"])) == 1, label  # symmetric: every rank sends the same
-        assert r["device"].endswith(f"x{world} ranks (gloo)") and r["config"]["backend"] == "gloo"
-        assert len(r["time_s"]["samples"]) == r["time_s"]["n"] >= 2
+def measured(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["status"] != "skipped" and 1 < r["params"]["world_size"] <= 8
+            and r["impl"] in IMPLS]
 
 
-def test_torchrun_also_runs_single_process_pairs_and_skips_what_needs_more_ranks(tmp_root):
-    records = torchrun_records(2, tmp_root)
+def test_torchrun_bytes_equal_the_closed_forms_and_outputs_match_the_oracle(tmp_root):
+    records = torchrun_records(8, tmp_root)
+    done = measured(records)
+    for r in done:
+        check_record(r)
+    assert {r["params"]["world_size"] for r in done} == set(WORLDS)
+    for p in WORLDS:  # every scheme at every P, forward and backward
+        for impl in IMPLS:
+            assert {r["params"]["mode"] for r in done if r["impl"] == impl and r["params"]["world_size"] == p} == {
+                "fwd", "fwd_bwd"}, (impl, p)
+    # what cannot be split says why
+    skipped = {(r["impl"], r["case_id"]): r["reason"] for r in records if r["status"] == "skipped"}
+    reasons = list(skipped.values())
+    assert any("cp_layout 'zigzag' (a placement of sequence chunks on ranks) does not apply" in s for s in reasons)
+    assert any("kv_heads 2 is not divisible by world_size 8" in s for s in reasons)  # tp_heads
+    assert any("ulysses_degree applies to cp_usp" in s for s in reasons)
+    assert sum("world_size 9 needs 9 ranks; the launcher started 8" in s for s in reasons) == len(IMPLS) + 1
+    usp = [r for r in done if r["impl"] == "cp_usp" and r["params"]["ulysses_degree"] == 2]
+    assert len(usp) == 1 and usp[0]["config"]["ulysses_degree"] == 2 and usp[0]["config"]["ring_degree"] == 4
+
+
+def test_zigzag_balances_causal_work_and_the_ring_overlaps(tmp_root):
+    done = measured(torchrun_records(8, tmp_root))
+    for p in WORLDS:
+        causal = {(r["impl"], r["params"]["cp_layout"]): r for r in done
+                  if r["params"]["pattern"] == "causal" and r["params"]["world_size"] == p
+                  and r["params"]["ulysses_degree"] is None}
+        c = N // p  # contiguous: the last rank has (P - 1/2) C^2 + C/2 pairs, against the mean N (N + 1) / 2P
+        last = (p - 1) * c * c + c * (c + 1) // 2
+        for impl in ("cp_ring", "cp_allgather", "cp_sparse"):
+            contiguous, zigzag = causal[(impl, "contiguous")]["comm"], causal[(impl, "zigzag")]["comm"]
+            assert contiguous["imbalance"] == pytest.approx(last / (N * (N + 1) / 2 / p))
+            assert zigzag["imbalance"] == pytest.approx(1.0) and zigzag["imbalance"] < contiguous["imbalance"]
+        for layout in ("contiguous", "zigzag"):  # Ulysses: every rank all rows for H/P heads, whatever the layout
+            assert causal[("cp_ulysses", layout)]["comm"]["imbalance"] == pytest.approx(1.0)
+        assert causal[("cp_usp", "zigzag")]["comm"]["imbalance"] == pytest.approx(1.0)
+        if p > 2:  # USP's groups hold zigzag pairs of the ring's chunks: balanced; contiguous groups are not
+            assert causal[("cp_usp", "contiguous")]["comm"]["imbalance"] > 1.1
+    ring = [r["comm"] for r in done if r["impl"] == "cp_ring"]
+    assert ring and all(c["overlap_fraction"] is not None and 0 <= c["overlap_fraction"] <= 1 for c in ring)
+    assert any(c["overlap_fraction"] > 0 for c in ring)  # something was hidden behind compute
+
+
+def test_torchrun_also_runs_single_process_pairs(tmp_root):
+    records = torchrun_records(8, tmp_root)
     single = [r for r in records if r["params"]["world_size"] == 1]
     assert {r["impl"] for r in single} == set(IMPLS) | {"dense"}
     assert all(r["status"] == "ok" and r["comm"] is None for r in single)
-    four = [r for r in records if r["params"]["world_size"] == 4]
-    assert four and all(r["status"] == "skipped" and r["reason"] == "world_size 4 needs 4 ranks; the launcher "
-                        "started 2" for r in four)
-    dense = [r for r in records if r["impl"] == "dense" and r["params"]["world_size"] == 2]
-    assert all(r["status"] == "skipped" and "single-process" in r["reason"] for r in dense)
+    dense = [r for r in records if r["impl"] == "dense" and r["params"]["world_size"] in WORLDS]
+    assert dense and all(r["status"] == "skipped" and "single-process" in r["reason"] for r in dense)
 
 
-def test_cp_sparse_saves_what_the_pattern_allows():
-    """The closed forms themselves: cp_sparse against cp_ring for a local window, and tp_heads' blindness."""
-    from bench import registry
-    from bench.spec.case import Case
-
-    ring, sparse, tp = (registry.get(n) for n in ("cp_ring", "cp_sparse", "tp_heads"))
-    for p in (2, 4):
-        case = Case(heads=8, seq_len=4096, window=128, block_size=64, world_size=p, device="cpu")
-        ratio = sparse.expected_comm_bytes(case) / ring.expected_comm_bytes(case)
-        assert ratio == 2 * (p - 1) * 64 / ((p - 1) * 4096)  # halo of one 64-block per side vs all of K/V
-        dense_case = Case(heads=8, seq_len=4096, pattern="block_random", density=0.5, world_size=p, device="cpu")
-        assert tp.expected_comm_bytes(case) == tp.expected_comm_bytes(dense_case)
-
-
-def test_grouped_query_attention_and_documents_over_ranks(tmp_path):
-    """kv_heads < heads and packed documents, P = 2, ranks started by the runner: every record ok against the
-    oracle (dq, dk, dv included), K/V bytes at kv_heads; what cannot be split says why."""
-    kv_heads, documents = 2, [40, 88]
+def test_runner_started_ranks_run_the_new_schemes(tmp_path):
+    """Without a launcher, P = 4 fresh rank processes per pair: Ulysses on grouped-query attention (KV heads
+    repeated), USP and the overlapped ring on a zigzag causal mask, fwd_bwd, all against the closed forms."""
     suite = write_suite(tmp_path, {
-        "name": "gqa_ranks", "impls": IMPLS,
-        "defaults": {"batch": B, "heads": H, "kv_heads": kv_heads, "head_dim": D, "seq_len": N, "block_size": BS,
-                     "pattern": "local", "window": 16, "documents": documents, "device": "cpu", "world_size": 2},
-        "sweeps": [{"sweep": {"mode": ["fwd", "fwd_bwd"]}},
-                   {"defaults": {"kv_heads": 1, "q_len": 64}, "sweep": {}}],
-        "measure": {"warmup": 1, "repeat": 2, "max_time_s": 0.01, "timeout_s": 120}})
+        "name": "ranks4", "impls": ["cp_ring", "cp_ulysses", "cp_usp"],
+        "defaults": {"batch": B, "heads": H, "head_dim": D, "seq_len": N, "block_size": BS, "device": "cpu",
+                     "world_size": 4, "mode": "fwd_bwd", "pattern": "causal", "cp_layout": "zigzag", "kv_heads": 2},
+        "sweep": {}, "measure": {"warmup": 1, "repeat": 2, "max_time_s": 0.01, "timeout_s": 120}})
     proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
-    kv_row = 2 * B * kv_heads * D * E
+    assert len(records) == 3
     for r in records:
-        impl, mode = r["impl"], r["params"]["mode"]
-        if r["params"]["kv_heads"] == 1:
-            assert r["status"] == "skipped", r
-            expected = ("kv_heads 1 is not divisible by world_size 2" if impl == "tp_heads"
-                        else "q_len 64 < seq_len 128 (decode, chunked prefill) is not supported")
-            assert expected in r["reason"], r["reason"]
-            continue
-        assert r["status"] == "ok", (impl, mode, r["reason"], r["details"])
-        if mode == "fwd_bwd":
-            assert set(r["error"]["grads"]) == {"dq", "dk", "dv"}
-        factor = 1 if mode == "fwd" else 2
-        if impl == "tp_heads":  # output all-reduce at H heads; backward: dq (H) + dk, dv (Hkv)
-            s_q, s_kv = B * N * H * D * E, B * N * kv_heads * D * E
-            closed = 2 * (2 - 1) * (s_q if mode == "fwd" else 2 * s_q + 2 * s_kv)
-        elif impl == "cp_sparse":
-            closed = sum(fetched_rows_by_rank("local", 2, documents=documents)) * kv_row * factor
-        else:  # cp_ring, cp_allgather: every chunk of K/V at kv_heads reaches the other rank
-            closed = 2 * 1 * (N // 2) * kv_row * factor
-        assert r["comm"]["bytes_total"] == r["comm"]["expected_bytes"] == closed, (impl, mode)
-    assert len(records) == len(IMPLS) * 3
+        check_record(r)
+
+
+def test_closed_forms_compare_the_schemes():
+    """The closed forms themselves: cp_sparse against cp_ring for a local window, tp_heads' blindness, Ulysses'
+    (P-1)/P against the ring's P-1, zigzag's cost for cp_sparse, USP's two levels adding up."""
+    from bench import registry
+    from bench.spec.case import Case
+
+    ring, sparse, tp, ulysses, usp = (registry.get(n) for n in ("cp_ring", "cp_sparse", "tp_heads", "cp_ulysses",
+                                                                "cp_usp"))
+    for p in (2, 4, 8):
+        case = Case(heads=8, seq_len=4096, window=128, block_size=64, world_size=p, device="cpu")
+        ratio = sparse.expected_comm_bytes(case) / ring.expected_comm_bytes(case)
+        assert ratio == 2 * (p - 1) * 64 / ((p - 1) * 4096)  # halo of one 64-block per side vs all of K/V
+        zigzag = Case(heads=8, seq_len=4096, window=128, block_size=64, world_size=p, device="cpu", cp_layout="zigzag")
+        assert sparse.expected_comm_bytes(zigzag) == 2 * sparse.expected_comm_bytes(case)  # twice the boundaries
+        assert ring.expected_comm_bytes(zigzag) == ring.expected_comm_bytes(case)
+        dense_case = Case(heads=8, seq_len=4096, pattern="block_random", density=0.5, world_size=p, device="cpu")
+        assert tp.expected_comm_bytes(case) == tp.expected_comm_bytes(dense_case)
+        # MHA: Ulysses moves 4 tensors x (P-1)/P, the ring 2 tensors x (P-1): a ratio of 2/P
+        assert ulysses.expected_comm_bytes(case) / ring.expected_comm_bytes(case) == pytest.approx(2 / p)
+        gqa = Case(heads=8, kv_heads=1, seq_len=4096, world_size=p, device="cpu")  # KV heads repeated to P
+        assert ulysses.expected_comm_bytes(gqa) == (p - 1) * 4096 * (2 * 8 + 2 * p) * 64 * 4 // p
+        levels = usp.expected_comm_bytes_by_level(case)
+        assert sum(levels.values()) == usp.expected_comm_bytes(case)
+        u = {2: 1, 4: 2, 8: 4}[p]  # the default: the largest proper divisor
+        assert levels == {"ulysses": 0 if u == 1 else (u - 1) * 4096 * 4 * 8 * 64 * 4 // u,
+                          "ring": (p // u - 1) * 4096 * 2 * 8 * 64 * 4}
+    assert math.isclose(ring.expected_comm_bytes(Case(heads=8, world_size=4, mode="fwd_bwd")),
+                        3 * 1024 * 2 * 8 * 64 * 4 * 2 + 4 * 1024 * 2 * 8 * 64 * 4)
+
+
+def test_what_a_scheme_cannot_split_says_why():
+    from bench import registry
+    from bench.spec.case import Case
+
+    ulysses, usp, ring = registry.get("cp_ulysses"), registry.get("cp_usp"), registry.get("cp_ring")
+    assert "kv_heads 3 must divide by 4 (each rank its KV heads) or divide 4" in ulysses.unsupported(
+        Case(heads=12, kv_heads=3, world_size=4, device="cpu"))
+    assert "heads 6 is not divisible by 4" in ulysses.unsupported(Case(heads=6, kv_heads=6, world_size=4,
+                                                                       device="cpu"))
+    assert ulysses.unsupported(Case(heads=8, kv_heads=2, world_size=4, device="cpu")) is None  # repeated KV heads
+    assert "over ulysses_degree 4" in usp.unsupported(Case(heads=6, world_size=8, ulysses_degree=4, device="cpu"))
+    assert "not divisible by 16" in ring.unsupported(Case(seq_len=1000, world_size=8, cp_layout="zigzag",
+                                                          device="cpu"))
+    assert "ulysses_degree applies to cp_usp" in ring.unsupported(Case(world_size=4, ulysses_degree=2, device="cpu"))
+    assert "q_len 64 < seq_len 1024 (decode, chunked prefill) is not supported" in ulysses.unsupported(
+        Case(world_size=4, q_len=64, device="cpu"))
 
 
 # --- the runner's own rank processes, with planted faults -------------------------------------------------
@@ -262,12 +413,15 @@ def test_faulty_ranks_give_failed_records_and_leave_no_process(tmp_path):
     assert elapsed < 600
 
 
-@pytest.mark.parametrize("name, worlds, pairs", [("seed000_comm", {2, 4}, 56), ("multi_gpu", {1, 2, 4, 8}, 160)])
-def test_distributed_suites_load(name, worlds, pairs):
+@pytest.mark.parametrize("name, impls, worlds, pairs", [
+    ("seed000_comm", ["cp_sparse", "cp_ring", "cp_allgather", "cp_ulysses", "cp_usp", "tp_heads"], {2, 4, 8}, None),
+    ("multi_gpu", ["tp_heads", "cp_ring", "cp_allgather", "cp_sparse"], {1, 2, 4, 8}, 160)])
+def test_distributed_suites_load(name, impls, worlds, pairs):
     from bench.spec.suite import load_suite
 
     suite = load_suite(ROOT / "suites" / f"{name}.yaml")
-    assert suite.impls == IMPLS
+    assert suite.impls == impls
     assert {c.world_size for c in suite.cases} == worlds
-    assert len(suite.cases) * len(suite.impls) == pairs
+    if pairs is not None:
+        assert len(suite.cases) * len(suite.impls) == pairs
     assert all(c.heads % c.world_size == 0 and c.seq_len % c.world_size == 0 for c in suite.cases)

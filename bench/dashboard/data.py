@@ -38,11 +38,12 @@ _NOT_SERIES_KEYS = frozenset(FACET_KEYS)
 SHORT_NAMES = {"seq_len": "N", "window": "w", "density": "p", "block_size": "bs", "dilation": "d",
                "global_tokens": "g", "seed": "seed", "batch": "B", "heads": "H", "head_dim": "D",
                "world_size": "P", "checkpoint": "ckpt", "env": "env", "kv_heads": "Hkv", "q_len": "q",
-               "documents": "docs", "prefix": "pre", "image_width": "iw"}
+               "documents": "docs", "prefix": "pre", "image_width": "iw", "cp_layout": "layout",
+               "ulysses_degree": "U"}
 # Case fields added after the first records were written (bench/case.py `_LATER_FIELDS`): a record without the
 # key has the default. kv_heads and q_len written out as heads and seq_len mean the default too.
 LATER_DEFAULTS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
-                                  "image_width": None}
+                                  "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None}
 _DEFAULT_FROM = {"kv_heads": "heads", "q_len": "seq_len"}  # None means the value of this other field
 # What the time and memory views may put on x, in order of preference: seq_len whenever it varies, else the
 # first of the others that does (a documents sweep at one length draws time against the number of documents).
@@ -79,6 +80,10 @@ class Row:
     comm_bytes_max_rank: int | None = None
     comm_expected_bytes: int | None = None
     comm_by_op: dict[str, int] = field(default_factory=dict)  # op -> bytes_total
+    comm_by_level: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # level -> (bytes, closed form)
+    comm_imbalance: float | None = None  # max / mean of the ranks' useful FLOPs
+    comm_overlap: float | None = None  # measured overlap fraction (hidden / communication time)
+    comm_per_rank: tuple[dict[str, Any], ...] = ()  # {rank, bytes, flops, comm_s, hidden_s, compute_s}
     rel_l2: float | None = None
     max_abs: float | None = None
     tolerance: float | None = None
@@ -181,6 +186,10 @@ def row_from_record(run: Run, record: Record) -> Row:
         comm_bytes_max_rank=comm.bytes_max_rank if comm else None,
         comm_expected_bytes=comm.expected_bytes if comm else None,
         comm_by_op={op: c.bytes_total for op, c in comm.by_op.items()} if comm else {},
+        comm_by_level={name: (lv.bytes_total, lv.expected_bytes) for name, lv in (comm.by_level or {}).items()}
+        if comm else {},
+        comm_imbalance=comm.imbalance if comm else None, comm_overlap=comm.overlap_fraction if comm else None,
+        comm_per_rank=tuple(r.model_dump() for r in comm.per_rank or ()) if comm else (),
         rel_l2=error.rel_l2 if error else None, max_abs=error.max_abs if error else None,
         tolerance=error.tolerance if error else None, rows_checked=error.rows_checked if error else None,
         flops=record.flops, flops_per_s=record.flops_per_s,

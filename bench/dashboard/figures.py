@@ -26,7 +26,8 @@ INTERPRETER_NOTE = "Triton interpreter: a CPU emulation of the kernel, its time 
 class Figure:
     """One figure of a page: its plotly dict plus the caption the HTML shows above it (plain text)."""
 
-    view: str  # which view made it: time, speedup, memory, comm, breakeven, peak, correctness, history
+    view: str  # which view made it: time, speedup, memory, comm, imbalance, overlap, breakeven, peak,
+    # correctness, history
     title: str
     provenance: str
     plotly: dict[str, Any]

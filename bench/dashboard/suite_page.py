@@ -12,6 +12,7 @@ from bench.dashboard.data import FACET_KEYS, Facet, Row, current_rows, facets
 from bench.dashboard.figures import Colours, Figure
 from bench.dashboard.views_breakeven import breakeven_figures
 from bench.dashboard.views_comm import comm_figure
+from bench.dashboard.views_comm_balance import balance_figures
 from bench.dashboard.views_correctness import correctness_figure
 from bench.dashboard.views_history import HistorySeries, history_figure
 from bench.dashboard.views_memory import memory_figure, peak_figure
@@ -102,6 +103,7 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         ("speedup", lambda: _one(speedup_figure(rows))),
         ("memory", lambda: _one(memory_figure(rows, colours))),
         ("comm", lambda: _one(comm_figure(rows, colours))),
+        ("balance", lambda: balance_figures(rows, colours)),
         ("breakeven", lambda: breakeven_figures(rows, colours)),
         ("peak", lambda: _one(peak_figure(rows, colours))),
         ("correctness", lambda: _one(correctness_figure(rows))),

@@ -76,9 +76,12 @@ def comm_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
             ops = ", ".join(f"{plot_text(op)} {format_bytes(b)}" for op, b in r.comm_by_op.items()) or "no ops"
             check = ("" if r.comm_expected_bytes is None else " = closed form" if r.comm_expected_bytes ==
                      r.comm_bytes_total else f" ≠ closed form {r.comm_expected_bytes:,}")
+            levels = "; ".join(f"level {plot_text(name)} {format_bytes(b)}" + (
+                "" if e is None else " = closed form" if e == b else f" ≠ closed form {format_bytes(e)}")
+                for name, (b, e) in r.comm_by_level.items())
             texts.append(row_hover(r, f"{r.comm_bytes_total:,} bytes sent, all ranks{check}",
                                    f"busiest rank {format_bytes(r.comm_bytes_max_rank)}; {ops}",
-                                   plot_text(f"backend {r.comm_backend}")))
+                                   *([levels] if levels else []), plot_text(f"backend {r.comm_backend}")))
         marker_style = {**style["marker"], "size": 9}
         traces.append({"type": "scatter", "mode": "markers", "name": f"{name} measured" if s.key.source != "modelled"
                        else name, "legendgroup": name, "x": s.world_size, "y": s.bytes_total, "hovertext": texts,

@@ -6,10 +6,12 @@ because every call holds collectives and every rank must make the same number of
 
 - check: outside the timed region and uncounted, the output shards (and in fwd_bwd the parts of dq, dk, dv each
   rank owns) are gathered to rank 0 and checked there against the float64 oracle (`pair.oracle_errors`).
-- comm: one step counted op by op through bench.comm.
+- comm: one step counted op by op (and level by level) through bench.comm.
 - timing: before each sample the ranks meet at a barrier (after a CUDA synchronize and L2 flush); each rank
   times its own call; the sample kept is the slowest rank's (an all-reduce of the maximum, outside the timed
   interval). Every rank sees the same samples and the sampling clock is rank 0's, so all ranks stop together.
+  Each rank also keeps its own times: its mean step time, and its ops' times and hidden times (bench.comm,
+  "Overlap") averaged over the timed steps, give the record's per-rank compute_s, comm_s and hidden_s.
 
 Barriers, clocks and the gather of results use a separate gloo "control" group, so they never mix with the
 implementation's collectives (which on CUDA go through nccl).
@@ -108,6 +110,7 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
             if ctx.device.startswith("cuda"):
                 torch.cuda.synchronize()
             counted = comm.snapshot()
+            out["levels"] = comm.levels_snapshot()
 
             enter("timing")
             policy = policy_of(task.measure)
@@ -115,11 +118,17 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
             for _ in range(policy.warmup):
                 timer.time_call(step)
             comm.reset()
+            timer.own.clear()
             out["time_s"] = measure(step, replace(policy, warmup=0), timer)
             timed = comm.snapshot()
-            for op, stats in counted.items():  # op time per step, averaged over the timed steps
-                stats["time_s"] = timed.get(op, {}).get("time_s", 0.0) / out["time_s"]["n"]
+            n = out["time_s"]["n"]
+            for op, stats in counted.items():  # op time (and its hidden part) per step, averaged over the timed steps
+                stats["time_s"] = timed.get(op, {}).get("time_s", 0.0) / n
+                stats["hidden_s"] = timed.get(op, {}).get("hidden_s", 0.0) / n
             out["comm"] = counted
+            out["step_s"] = sum(timer.own) / len(timer.own) if timer.own else None
+            out["pairs"] = impl.rank_pairs(case, pattern, ctx.rank)
+            out["flops"] = flop_counts.attention_flops(case, out["pairs"]) / case.heads
 
             enter("memory")
             out["memory"] = measure_peak(step, ctx.device)
@@ -136,6 +145,7 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
                        "flops": flop_counts.useful_flops(case, pattern.nnz),
                        "flops_dense": flop_counts.dense_flops(case)}
         out["expected_bytes"] = impl.expected_comm_bytes(case)
+        out["expected_by_level"] = impl.expected_comm_bytes_by_level(case)
     return {**out, "status": "ok"}
 
 
@@ -170,6 +180,7 @@ class RankTimer:
         self.dist = dist
         self.ctx = ctx
         self.root = dist.get_global_rank(ctx.control, 0)
+        self.own: list[float] = []  # this rank's own call times (the samples are the slowest rank's)
         self._flush = None
         if ctx.device == "cuda":
             from bench.measure.timing import CudaTimer
@@ -190,6 +201,7 @@ class RankTimer:
             seconds = start.elapsed_time(end) / 1e3
         else:
             seconds = CpuTimer().time_call(fn)
+        self.own.append(seconds)
         slowest = torch.tensor([seconds], dtype=torch.float64)
         self.dist.all_reduce(slowest, op=self.dist.ReduceOp.MAX, group=self.ctx.control)
         return float(slowest)
@@ -209,11 +221,11 @@ def _gather_to_rank0(local: Tensor, shards: list[Shard], full: tuple[int, ...], 
         dist.send(local, dist.get_global_rank(ctx.group, 0), group=ctx.group)
         return None
     whole = torch.empty(full, dtype=local.dtype, device=local.device)
-    shards[0].take(whole).copy_(local)
+    shards[0].put(whole, local)
     for r in range(1, ctx.world_size):
         part = torch.empty(shards[r].shape(full), dtype=local.dtype, device=local.device)
         dist.recv(part, dist.get_global_rank(ctx.group, r), group=ctx.group)
-        shards[r].take(whole).copy_(part)
+        shards[r].put(whole, part)
     return whole
 
 
@@ -278,18 +290,48 @@ def assemble_record(task: Task, parts: list[dict[str, Any]], backend: str, start
         config["threads_per_rank"] = root.get("threads")
     time_s = root["time_s"]
     flops = root["base"]["flops"]
+    comm = comm_info(parts, backend, root.get("expected_bytes"), root.get("expected_by_level"),
+                     str(task.case.get("device")))
     return Record(**base, **root["base"], status="incorrect" if root["problem"] else "ok", reason=root["problem"],
                   time_s=time_s, setup_s=max(p["setup_s"] for p in parts), setup=root.get("setup"), memory=memory,
-                  comm=comm_info(parts, backend, root.get("expected_bytes")), error=root["error"],
+                  comm=comm, error=root["error"],
                   device=f"{root['device']} x{world} ranks ({backend})", config=config,
                   flops_per_s=flops / time_s["median"] if time_s["median"] > 0 else None)
 
 
-def comm_info(parts: list[dict[str, Any]], backend: str, expected: int | None) -> dict[str, Any]:
-    """The record's `comm`: bytes per rank and per op for one step, op times from the slowest rank.
+def imbalance(values: list[float]) -> float | None:
+    """max / mean: 1 when every rank has as much; None when there is nothing."""
+    total = sum(values)
+    return max(values) / (total / len(values)) if values and total > 0 else None
+
+
+def rank_rows(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The record's comm.per_rank: per rank its bytes, useful FLOPs, memory and times per step.
+
+    comm_s: its ops' time (started ops: in flight), hidden_s: the part that overlapped its compute,
+    exposed_s = comm_s - hidden_s, compute_s = its mean step time - exposed_s (bench.comm, "Overlap").
+    """
+    rows = []
+    for p in parts:
+        ops = p["comm"].values()
+        comm_s = sum(float(s["time_s"]) for s in ops)
+        hidden_s = min(comm_s, sum(float(s.get("hidden_s", 0.0)) for s in ops))
+        step_s = p.get("step_s")
+        rows.append({"rank": p["rank"], "bytes": sum(int(s["bytes_sent"]) for s in ops), "flops": p.get("flops"),
+                     "step_s": step_s, "compute_s": None if step_s is None else max(0.0, step_s - (comm_s - hidden_s)),
+                     "comm_s": comm_s, "hidden_s": hidden_s, "exposed_s": comm_s - hidden_s,
+                     "peak_bytes": p["memory"]["peak_bytes"]})
+    return rows
+
+
+def comm_info(parts: list[dict[str, Any]], backend: str, expected: int | None,
+              expected_by_level: dict[str, int] | None = None, device: str = "cpu") -> dict[str, Any]:
+    """The record's `comm`: bytes per rank, per op and per level for one step, op times from the slowest rank,
+    each rank's share (per_rank), the imbalance of useful FLOPs and the measured overlap fraction.
 
     algbw = nccl-tests size / time (the busiest rank's size over the slowest rank's time: a collective ends
-    when its last rank does), busbw = algbw * bus_factor (bench.comm).
+    when its last rank does), busbw = algbw * bus_factor (bench.comm). overlap_fraction = sum over ranks of
+    hidden_s / sum of comm_s (None without communication time).
     """
     world = len(parts)
     per_rank = [sum(int(s["bytes_sent"]) for s in p["comm"].values()) for p in parts]
@@ -302,6 +344,22 @@ def comm_info(parts: list[dict[str, Any]], backend: str, expected: int | None) -
         by_op[op] = {"calls": max(int(r["calls"]) for r in rows),
                      "bytes_total": sum(int(r["bytes_sent"]) for r in rows),
                      "bytes_max_rank": max(int(r["bytes_sent"]) for r in rows), "time_s": seconds,
+                     "hidden_s": max(float(r.get("hidden_s", 0.0)) for r in rows),
                      "algbw_gbps": algbw, "busbw_gbps": None if algbw is None else algbw * bus_factor(op, world)}
+    by_level: dict[str, dict[str, Any]] | None = None
+    names = sorted({name for p in parts for name in p.get("levels", {})} | set(expected_by_level or {}))
+    if names:
+        by_level = {}
+        for name in names:
+            sent = [int(p.get("levels", {}).get(name, {}).get("bytes_sent", 0)) for p in parts]
+            by_level[name] = {"calls": max(int(p.get("levels", {}).get(name, {}).get("calls", 0)) for p in parts),
+                              "bytes_total": sum(sent), "bytes_max_rank": max(sent),
+                              "expected_bytes": (expected_by_level or {}).get(name)}
+    ranks = rank_rows(parts)
+    comm_total = sum(r["comm_s"] for r in ranks)
+    flops = [r["flops"] for r in ranks]
     return {"backend": backend, "bytes_total": sum(per_rank), "bytes_max_rank": max(per_rank), "by_op": by_op,
-            "expected_bytes": expected, "world_size": world, "bytes_per_rank": per_rank}
+            "expected_bytes": expected, "world_size": world, "bytes_per_rank": per_rank, "per_rank": ranks,
+            "imbalance": imbalance(flops) if all(f is not None for f in flops) else None,
+            "overlap_fraction": sum(r["hidden_s"] for r in ranks) / comm_total if comm_total > 0 else None,
+            "overlap_method": "cuda_events" if device.startswith("cuda") else "host", "by_level": by_level}

@@ -60,8 +60,38 @@ class CommOp(BaseModel):
     bytes_total: int  # sent by all ranks
     bytes_max_rank: int  # sent by the busiest rank
     time_s: float | None = None  # summed op time on the slowest rank
+    hidden_s: float | None = None  # of which overlapped the rank's compute (the largest over ranks)
     algbw_gbps: float | None = None
     busbw_gbps: float | None = None
+
+
+class RankComm(BaseModel):
+    """One rank's share of a distributed step (times per step, averaged over the timed steps).
+
+    comm_s: its ops' time (an op started without waiting: its time in flight); hidden_s: the part of comm_s
+    that overlapped its compute; exposed_s = comm_s - hidden_s; compute_s = step_s - exposed_s (bench.comm,
+    "Overlap"). flops: the useful FLOPs of the pairs it computes. peak_bytes: its memory (memory.method)."""
+
+    model_config = _STRICT
+    rank: int
+    bytes: int
+    flops: float | None = None
+    step_s: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None
+    hidden_s: float | None = None
+    exposed_s: float | None = None
+    peak_bytes: int | None = None
+
+
+class CommLevel(BaseModel):
+    """Bytes of the ops counted under one level label (cp_usp: ulysses inside groups, ring across them)."""
+
+    model_config = _STRICT
+    calls: int
+    bytes_total: int
+    bytes_max_rank: int
+    expected_bytes: int | None = None  # the implementation's closed form for the level
 
 
 class CommInfo(BaseModel):
@@ -73,6 +103,11 @@ class CommInfo(BaseModel):
     expected_bytes: int | None = None  # the implementation's closed form
     world_size: int | None = None
     bytes_per_rank: list[int] | None = None
+    per_rank: list[RankComm] | None = None
+    imbalance: float | None = None  # max / mean of the ranks' useful FLOPs
+    overlap_fraction: float | None = None  # sum of hidden_s / sum of comm_s over ranks, measured
+    overlap_method: Literal["host", "cuda_events"] | None = None  # how hidden_s was measured (bench.comm)
+    by_level: dict[str, CommLevel] | None = None
 
 
 class GradError(BaseModel):

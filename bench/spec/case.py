@@ -19,7 +19,9 @@ _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 # Fields added after the first release. Left at their default they stay out of a case's id digest, so the
 # cases of older suites keep their ids (and their history) across the addition.
-_LATER_FIELDS = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0, "image_width": None}
+_LATER_FIELDS = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0, "image_width": None,
+                 "cp_layout": "contiguous", "ulysses_degree": None}
+CP_LAYOUTS = ("contiguous", "zigzag")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Case:
     documents: int | tuple[int, ...] | None = None  # packed documents: a count or the lengths
     prefix: int = 0  # prefix_lm
     image_width: int | None = None  # neighborhood: tokens per image row
+    cp_layout: str = "contiguous"  # sequence split over ranks: contiguous chunks, or zigzag (chunks r, 2P-1-r)
+    ulysses_degree: int | None = None  # cp_usp: ranks per Ulysses group (None: its default)
 
     def __post_init__(self) -> None:
         if isinstance(self.documents, list):  # frozen and hashable: lengths as a tuple
@@ -125,6 +129,10 @@ class Case:
             parts.append("ckpt")
         if self.world_size > 1:
             parts.append(f"p{self.world_size}")
+        if self.cp_layout != "contiguous":
+            parts.append(self.cp_layout)
+        if self.ulysses_degree is not None:
+            parts.append(f"u{self.ulysses_degree}")
         parts.append(digest)
         return "-".join(parts)
 
@@ -133,6 +141,10 @@ class Case:
         """Short label for tables: pattern, shape and mode, e.g. `causal N=4096 q=16 B1H32/8D128 bf16 fwd`."""
         extra = " ckpt" if self.checkpoint else ""
         world = f" P={self.world_size}" if self.world_size > 1 else ""
+        if self.cp_layout != "contiguous":
+            world += f" {self.cp_layout}"
+        if self.ulysses_degree is not None:
+            world += f" U={self.ulysses_degree}"
         q = f" q={self.q_len}" if self.q_len is not None and self.q_len != self.seq_len else ""
         kv = f"/{self.kv_heads}" if self.kv_heads is not None and self.kv_heads != self.heads else ""
         return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "

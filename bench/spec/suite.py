@@ -58,6 +58,8 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     "documents": _Pos | Annotated[list[_Pos], Field(min_length=1)] | None,
     "prefix": Annotated[StrictInt, Field(ge=0)],
     "image_width": _Pos | None,
+    "cp_layout": Literal["contiguous", "zigzag"],
+    "ulysses_degree": _Pos | None,
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 
@@ -273,6 +275,14 @@ def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
         divisors = [d for d in range(1, case.heads + 1) if case.heads % d == 0]
         raise bad(f"got {case.kv_heads} with heads {case.heads}; grouped-query attention needs heads % kv_heads "
                   f"== 0: allowed kv_heads {divisors}", "kv_heads")
+    if case.cp_layout != "contiguous" and case.world_size < 2:
+        raise bad(f"got cp_layout {case.cp_layout!r} with world_size {case.world_size}; a layout places sequence "
+                  "chunks on ranks, so it needs world_size >= 2 (allowed with world_size 1: 'contiguous')",
+                  "cp_layout")
+    if case.ulysses_degree is not None and case.world_size % case.ulysses_degree:
+        divisors = [d for d in range(1, case.world_size + 1) if case.world_size % d == 0]
+        raise bad(f"got {case.ulysses_degree} with world_size {case.world_size}; Ulysses groups of ulysses_degree "
+                  f"ranks must tile the ranks: allowed ulysses_degree {divisors} (or null)", "ulysses_degree")
     try:
         pattern = case.make_pattern()
         if PATTERNS[case.pattern].source != "built-in":
