@@ -12,7 +12,7 @@ from pathlib import Path
 from bench.results.store import load_run
 from tests.conftest import ROOT, bench_cmd, read_jsonl, write_suite
 
-KILLS = 50
+KILLS = 25  # random kill moments over one run; each costs a start of `bench run` (about 1.5 s here)
 
 
 def quick_suite(name: str, seq_lens: list[int]) -> dict:
