@@ -199,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the series and steps as JSON")
     p.set_defaults(func=_cmd_history)
 
-    p = sub.add_parser("export", help="a run as pytest-benchmark JSON or CSV")
+    p = sub.add_parser("export", help="a run as pytest-benchmark JSON, CSV, github-action-benchmark or Bencher JSON")
     p.add_argument("run", metavar="RUN_DIR")
-    p.add_argument("--format", required=True, choices=["pytest-benchmark", "csv"])
+    p.add_argument("--format", required=True, choices=["pytest-benchmark", "csv", "github-action-benchmark", "bencher"],
+                   help="github-action-benchmark: its customSmallerIsBetter JSON; bencher: Bencher Metric Format")
     p.add_argument("-o", "--output", metavar="FILE", help="output file (default: stdout)")
     p.set_defaults(func=_cmd_export)
 

@@ -198,8 +198,14 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
         if pair.test is not None:
             pair.verdict = st.verdict(pair.test, pair.q_value if pair.q_value is not None else 1.0, threshold, alpha)
             pair.mde = st.mde(pair.test, threshold, alpha)
-            if pair.verdict in (st.SLOWER, st.FASTER) and not st.repeated(pair.verdict, pair.second, threshold):
-                pair.verdict, pair.not_repeated = st.AMBIGUOUS, True
+            # SLOWER or FASTER needs a second trial that repeats the first trial's change
+            first = pair.first or pair.test
+            direction = st.SLOWER if first.ratio > 1 else st.FASTER
+            if (pair.second is not None or pair.verdict in (st.SLOWER, st.FASTER)) \
+                    and not st.repeated(direction, pair.second, threshold):
+                pair.not_repeated = True
+                if pair.verdict in (st.SLOWER, st.FASTER):
+                    pair.verdict = st.AMBIGUOUS
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
     notes = _notes(measurement, pairs, threshold, alpha, len(tested))

@@ -1,4 +1,6 @@
-"""`bench export RUN_DIR --format pytest-benchmark|csv`: a run for other tools.
+"""`bench export RUN_DIR --format pytest-benchmark|csv|github-action-benchmark|bencher`: a run for other tools.
+
+(github-action-benchmark's customSmallerIsBetter JSON and Bencher's BMF are bench.results.export_ci's.)
 
 pytest-benchmark: the JSON that `pytest --benchmark-json` writes and `pytest-benchmark compare` reads:
 `machine_info`, `commit_info`, `benchmarks` (one per measured `ok` (case, impl): name `impl[case_id]`,
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.errors import BadInput
+from bench.results.export_ci import FORMATS, to_bencher, to_github_action_benchmark
 from bench.results.records import Record
 from bench.results.store import Run, load_run, write_json_atomic
 
@@ -138,7 +141,16 @@ def export_command(run_dir: Path, fmt: str, output: Path | None) -> int:
     run = load_run(run_dir)
     if output is not None and not output.parent.is_dir():
         raise BadInput("the output file's directory does not exist", file=str(output), field="-o")
-    if fmt == "pytest-benchmark":
+    if fmt in FORMATS:  # github-action-benchmark, bencher
+        doc, left_out = to_github_action_benchmark(run) if fmt == FORMATS[0] else to_bencher(run)
+        if left_out:
+            print(f"bench export: {left_out} of {len(run.records)} records left out (not measured ok times)",
+                  file=sys.stderr)
+        if output is None:
+            print(json.dumps(doc, indent=2))
+        else:
+            write_json_atomic(output, doc)
+    elif fmt == "pytest-benchmark":
         doc, left_out = to_pytest_benchmark(run)
         if left_out:
             print(f"bench export: {left_out} of {len(run.records)} records left out (not measured ok times: "

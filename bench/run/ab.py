@@ -122,6 +122,7 @@ def measure_ab(options: ABOptions, console: Console, describe: Callable[[PairMea
                 if not Path(suite_rel).is_absolute() and not (co.path / suite_rel).is_file():
                     raise BadInput(f"{co.title}: no suite file {suite_rel} in that checkout; bench ab runs each "
                                    "side's own suite file, so it must exist on both sides")
+            _check_names([_suite_name(co.path / suite_rel) for co in checkouts], suite_rel)
             logs = worktrees.tmp if worktrees is not None else Path(tempfile.mkdtemp(prefix="bench-ab-logs-"))
             cpus = worker_cpus(options.threads)
             sides = [Side(co, logs / f"{co.role.lower()}-worker.log", options.out, options.worker_env(), cpus)
@@ -186,14 +187,32 @@ def _start_and_load(sides: list[Side], options: ABOptions, suite_rel: str) -> No
                            f"checkout {expected}; an installed copy shadows it (reinstall with `pip install -e`)")
     base, new = (s.loaded for s in sides)
     assert base is not None and new is not None
-    if base.name != new.name:
-        raise BadInput(f"the suite file {suite_rel} is named {base.name!r} in BASE and {new.name!r} in NEW; bench ab "
-                       "compares one suite, so both sides must give it the same name")
+    _check_names([base.name, new.name], suite_rel)
     unknown_both = [n for n in base.unknown_impls if n in new.unknown_impls]
     if unknown_both:
         raise BadInput(f"got {unknown_both[0]!r}, registered on neither side", field="--impl")
     for side in sides:
         _open_run(side)
+
+
+def _suite_name(path: Path) -> str | None:
+    """The suite's `name:` read without its side's code (to refuse two names before starting any worker), or
+    None where the file does not parse: that side's worker then says what is wrong with it."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    name = data.get("name") if isinstance(data, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _check_names(names: list[str | None], suite_rel: str) -> None:
+    base, new = names
+    if base is not None and new is not None and base != new:
+        raise BadInput(f"the suite file {suite_rel} is named {base!r} in BASE and {new!r} in NEW; bench ab "
+                       "compares one suite, so both sides must give it the same name")
 
 
 def _log_tail(side: Side, lines: int = 3) -> str:
