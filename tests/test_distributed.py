@@ -8,7 +8,7 @@ overlap, faults.
   oracle), its counted bytes must equal the implementation's expected_comm_bytes and the closed form written
   here (per level for cp_usp), and its per-rank rows must give the useful FLOPs, the imbalance and the
   overlap fraction.
-- Without a launcher, the runner starts the ranks itself: the new schemes at P = 4 with the same checks, and a
+- Without a launcher, the runner starts the ranks itself: cp_usp at P = 4 with the same checks, and a
   rank that raises, hangs or dies gives a failed record naming it, no rank process survives, and the sweep
   goes on to a healthy pair.
 - What a scheme cannot split says why (a skip). (Bad layouts and degrees in a suite file: tests/test_bad_input.py.)
@@ -290,19 +290,20 @@ def test_torchrun_also_runs_single_process_pairs(tmp_root):
 
 
 def test_runner_started_ranks_run_the_new_schemes(tmp_path):
-    """Without a launcher, P = 4 fresh rank processes per pair: Ulysses on grouped-query attention (KV heads
-    repeated), USP and the overlapped ring on a zigzag causal mask, fwd_bwd, all against the closed forms."""
+    """Without a launcher, P = 4 fresh rank processes: USP (Ulysses all-to-alls in 2 groups of 2, the overlapped
+    ring across them, its waiter threads in fresh processes) on grouped-query attention and a zigzag causal
+    mask, fwd_bwd, against the closed forms of both levels. (Every scheme at P = 2, 4, 8: the torchrun test.)"""
     suite = write_suite(tmp_path, {
-        "name": "ranks4", "impls": ["cp_ring", "cp_ulysses", "cp_usp"],
+        "name": "ranks4", "impls": ["cp_usp"],
         "defaults": {"batch": B, "heads": H, "head_dim": D, "seq_len": N, "block_size": BS, "device": "cpu",
                      "world_size": 4, "mode": "fwd_bwd", "pattern": "causal", "cp_layout": "zigzag", "kv_heads": 2},
         "sweep": {}, "measure": {"warmup": 1, "repeat": 2, "max_time_s": 0.01, "timeout_s": 120}})
     proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
-    assert len(records) == 3
-    for r in records:
-        check_record(r)
+    assert len(records) == 1
+    check_record(records[0])
+    assert set(records[0]["comm"]["by_level"]) == {"ulysses", "ring"}
 
 
 def test_closed_forms_compare_the_schemes():
