@@ -82,10 +82,9 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     result = run_ab(options, console, threshold_pct=args.threshold, alpha=args.alpha)
     if markdown_file is not None:
         markdown_file.write_text(markdown(result), encoding="utf-8")
+    print_ab(result, console, show_all=args.all)  # with --json on stderr (a CI log), the JSON alone on stdout
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
-    else:
-        print_ab(result, console, show_all=args.all)
     return result.exit_code
 
 
@@ -185,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"shortest timed block per side and round (default {DEFAULT_BLOCK_S * 1e3:g})")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
                    help=f"intra-op threads per worker, 0 for torch's default (default {DEFAULT_THREADS})")
-    p.add_argument("--json", action="store_true", help="print the result as JSON (progress goes to stderr)")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON on stdout (progress and the report go to stderr)")
     p.add_argument("--markdown", metavar="FILE", help="also write the result as Markdown (a CI job summary)")
     p.add_argument("--all", action="store_true", help="list every pair, not only regressions and improvements")
     p.set_defaults(func=_cmd_ab)

@@ -6,7 +6,7 @@
 #   scripts/ab_validation.sh [OUT_DIR]          (default OUT_DIR: results/ab/<date>)
 #   env: PY (python with the project installed; default .venv/bin/python), SUITE (default suites/smoke.yaml),
 #        REPEATS (A/A repetitions, default 5), ROUNDS (default: bench ab's), IMPL (planted, default blocked),
-#        PLANTS (planted slowdowns in percent, default "10 5")
+#        PLANTS (planted slowdowns in percent, default "10 5"), SMOKE_RUN=0 (skip the plain bench run)
 #
 # Everything runs in a clean clone of HEAD in a temporary directory (the planted branches live and die there;
 # the working tree is not touched). Per run OUT_DIR gets the `--json` and `--markdown` outputs; summary.json and
@@ -56,8 +56,10 @@ ab() {  # NAME BASE NEW
 }
 
 for pct in $PLANTS; do plant "$pct"; done
-timed smoke-run "$PY" -m bench run "$SUITE" --out "$store"
-rm -f "$out/smoke-run.json"
+if [ "${SMOKE_RUN:-1}" != 0 ]; then  # SMOKE_RUN=0: keep the smoke-run.meta already in OUT_DIR
+  timed smoke-run "$PY" -m bench run "$SUITE" --out "$store"
+  rm -f "$out/smoke-run.json"
+fi
 ab aa-1 HEAD HEAD
 for pct in $PLANTS; do ab "planted-$pct" "$base" "planted-$pct"; done
 for i in $(seq 2 "$REPEATS"); do ab "aa-$i" HEAD HEAD; done

@@ -24,8 +24,11 @@ from bench.run.worker import WorkerProcess, WorkerStartError
 from bench.run.worktrees import Checkout
 
 DEFAULT_ROUNDS = 15
-DEFAULT_BLOCK_S = 0.005
-DEFAULT_BLOCK_CALLS = 3
+# A block is at least this long and this many calls: long enough that its median ignores a call or two cut by
+# the scheduler (a time slice is a few ms; 5 ms blocks of 1 ms calls gave per-round ratios from 0.1 to 5 on the
+# loaded 2-core machine), short enough that the rounds of a pair lie within a second or two.
+DEFAULT_BLOCK_S = 0.02
+DEFAULT_BLOCK_CALLS = 5
 WARM_BLOCKS = 4  # untimed warm-up per side before the rounds, in block lengths
 # Intra-op threads per worker (--threads; 0: torch's default, one per core). One: an op on two threads runs at
 # the speed of the slower thread, and where the OS puts each thread beside other load differs between the two
