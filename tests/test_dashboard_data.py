@@ -420,6 +420,10 @@ def test_balance_and_overlap_per_world_size(runs) -> None:
     assert ring.comm_by_level == {"ring": (2 * 256 * 4 * 32 * 4, 2 * 256 * 4 * 32 * 4)}
     hover = next(t for t in comm_figure(rows, Colours([])).plotly["data"] if t["name"] == "cp_ring measured")
     assert "level ring" in hover["hovertext"][0] and "= closed form" in hover["hovertext"][0]
+    busiest = next(t for t in comm_figure(rows, Colours([])).plotly["data"] if t["name"] == "cp_ring busiest rank")
+    assert busiest["y"] == [r.comm_bytes_max_rank for r in sorted(
+        (r for r in rows if r.impl == "cp_ring"), key=lambda r: r.params["world_size"])]
+    assert busiest["marker"]["symbol"].endswith("-open")
 
 
 # --- break-even ------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Communication bytes against world size per implementation: measured points over the closed-form line."""
+"""Communication bytes against world size per implementation: measured points (all ranks, and the busiest rank)
+over the closed-form line."""
 
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ def comm_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
             ops = ", ".join(f"{plot_text(op)} {format_bytes(b)}" for op, b in r.comm_by_op.items()) or "no ops"
             check = ("" if r.comm_expected_bytes is None else " = closed form" if r.comm_expected_bytes ==
                      r.comm_bytes_total else f" ≠ closed form {r.comm_expected_bytes:,}")
-            levels = "; ".join(f"level {plot_text(name)} {format_bytes(b)}" + (
+            levels = "; ".join(f"level {plot_text(level)} {format_bytes(b)}" + (
                 "" if e is None else " = closed form" if e == b else f" ≠ closed form {format_bytes(e)}")
-                for name, (b, e) in r.comm_by_level.items())
+                for level, (b, e) in r.comm_by_level.items())
             texts.append(row_hover(r, f"{r.comm_bytes_total:,} bytes sent, all ranks{check}",
                                    f"busiest rank {format_bytes(r.comm_bytes_max_rank)}; {ops}",
                                    *([levels] if levels else []), plot_text(f"backend {r.comm_backend}")))
@@ -86,11 +87,21 @@ def comm_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
         traces.append({"type": "scatter", "mode": "markers", "name": f"{name} measured" if s.key.source != "modelled"
                        else name, "legendgroup": name, "x": s.world_size, "y": s.bytes_total, "hovertext": texts,
                        "hoverinfo": "text", "marker": marker_style})
+        busiest = [(w, r) for w, r in zip(s.world_size, s.rows, strict=True) if r.comm_bytes_max_rank is not None]
+        if busiest:
+            symbol = str(marker_style["symbol"])
+            traces.append({"type": "scatter", "mode": "markers", "name": f"{name} busiest rank", "legendgroup": name,
+                           "x": [w for w, _ in busiest], "y": [r.comm_bytes_max_rank for _, r in busiest],
+                           "hovertext": [f"{name} busiest rank: {r.comm_bytes_max_rank:,} bytes at P={w}"
+                                         for w, r in busiest], "hoverinfo": "text",
+                           "marker": {**marker_style, "size": 7,
+                                      "symbol": symbol if symbol.endswith("-open") else f"{symbol}-open"}})
     prov = provenance(r for s in series for r in s.rows)
     layout = base_layout("Communication bytes against world size", prov)
     layout["xaxis"] = axis("world size P (ranks)", log=True, dtick=0.30102999566)  # log10(2): a tick per doubling
-    layout["yaxis"] = axis("bytes sent per call, all ranks", log=True, exponentformat="SI")
+    layout["yaxis"] = axis("bytes sent per call (all ranks; open: the busiest rank)", log=True, exponentformat="SI")
     notes = [f"{s.key.name()}: {len(s.mismatches)} record(s) differ from the closed form"
              for s in series if s.mismatches]
-    return Figure("comm", "Communication bytes against world size (points: counted by bench.comm; dotted: the "
-                  "implementation's closed form)", prov.text(), {"data": traces, "layout": layout}, notes=notes)
+    return Figure("comm", "Communication bytes against world size (filled points: all ranks, counted by bench.comm; "
+                  "open points: the busiest rank; dotted: the implementation's closed form)", prov.text(),
+                  {"data": traces, "layout": layout}, notes=notes)
