@@ -189,7 +189,7 @@ def test_report_regressions_first_fits_100_columns_summary_last():
     for p in result.pairs:  # every ratio in full, never cut
         if p.verdict in (st.SLOWER, st.FASTER):
             assert f"{(p.test.ratio - 1) * 100:+.1f}%" in text
-    assert "every case: N=128 B1H2D32 fp32 fwd" in text  # the words every label shares, said once
+    assert "every case: local_w16 N=128 B1H2D32 fp32 fwd" in text  # the words every label shares, said once
     assert "MDE" in text and "q " in text
     assert len(_printed(result, show_all=True)) > len(lines)
 

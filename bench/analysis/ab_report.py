@@ -98,6 +98,8 @@ def pair_lines(pair: ABPair, label: str, width: int) -> list[tuple[str, str | No
     if pair.verdict is not None:
         head = f"  {pair.verdict:<9} {pct(pair.test.ratio) if pair.test else '-':>7} {interval(pair)}" \
                f"  q {q_text(pair.q_value)}  MDE {mde_text(pair)}"
+        if pair.second is not None:  # the second trial on fresh workers, alone
+            head += f"  2nd {pct(pair.second.ratio)}"
         for i, text in enumerate(_fit(head, who, width)):
             lines.append((text, VERDICT_STYLE[pair.verdict] if i == 0 else None))
     else:
