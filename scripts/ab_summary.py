@@ -28,8 +28,9 @@ def recompute(doc: dict[str, Any], threshold_pct: float) -> dict[tuple[str, str]
     tests = {}
     for p in doc["pairs"]:
         t = p.get("time")
-        if t and t.get("round_medians_s"):
-            rounds = [([b], [n]) for b, n in t["round_medians_s"] if b and n]
+        values = t and (t.get("round_values_s") or t.get("round_medians_s"))  # (older JSON: block medians)
+        if values:
+            rounds = [([b], [n]) for b, n in values if b and n]
             tests[(p["case_id"], p["impl"])] = st.paired_test(rounds, seed_for(f"{p['case_id']}|{p['impl']}", 0))
     keys = [k for k, t in tests.items() if t.note is None]
     qs = dict(zip(keys, benjamini_hochberg([tests[k].p_value for k in keys]), strict=True))

@@ -208,5 +208,5 @@ def test_json_has_no_nan_and_keeps_the_rounds():
     doc = json.loads(json.dumps(result.to_json(), allow_nan=False))
     assert doc["schema"] == "bench-ab/1" and doc["exit_code"] == 1
     timed = [p for p in doc["pairs"] if p["time"]]
-    assert all(len(p["time"]["round_medians_s"]) == 15 and p["time"]["mde_pct"] > 0 for p in timed)
+    assert all(len(p["time"]["round_values_s"]) == 15 and p["time"]["mde_pct"] > 0 for p in timed)
     assert doc["summary"]["regressions"] == 3 and doc["settings"]["threshold_pct"] == 5.0

@@ -60,7 +60,7 @@ class ABPair:
     mde: float | None = None  # a fraction (0.12 = 12%)
     changes: list[Change] = field(default_factory=list)
     reason: str | None = None  # NEW's reason (or BASE's) when a side did not run ok
-    round_medians: list[tuple[float, float]] = field(default_factory=list)  # (BASE, NEW) block medians per round
+    round_medians: list[tuple[float, float]] = field(default_factory=list)  # (BASE, NEW) block times per round
     orders: list[str] = field(default_factory=list)  # per round: "BN" (BASE first) or "NB"
     first: st.PairedTest | None = None  # the first trial alone, when there was a second
     second: st.PairedTest | None = None  # the second trial (fresh workers) alone; `test` pools both
@@ -150,16 +150,17 @@ def _side_json(side: SideRun) -> dict[str, Any]:
 def _pair_json(p: ABPair) -> dict[str, Any]:
     time = None
     if p.test is not None:
-        # per round: BASE's and NEW's block medians (what the verdict is computed from) and the order drawn
+        # per round: BASE's and NEW's block times (ab_stats.block_time: what the verdict is computed from) and
+        # the order drawn
         t = p.test
         time = {"rounds": t.rounds, "ratio": _num(t.ratio), "ci_low": _num(t.ci_low), "ci_high": _num(t.ci_high),
                 "p_value": _num(t.p_value), "q_value": _num(p.q_value), "sigma_log": _num(t.sigma),
                 "se_log": _num(t.se), "mde_pct": _num(p.mde * 100) if p.mde is not None else None,
                 "median_base_s": _num(t.median_base), "median_new_s": _num(t.median_new), "note": t.note,
-                "round_medians_s": [[_num(b), _num(n)] for b, n in p.round_medians], "orders": p.orders,
+                "round_values_s": [[_num(b), _num(n)] for b, n in p.round_medians], "orders": p.orders,
                 "first_ratio": _num(p.first.ratio) if p.first else None,
                 "second_ratio": _num(p.second.ratio) if p.second else None,
-                "second_round_medians_s": [[_num(b), _num(n)] for b, n in p.second_medians],
+                "second_round_values_s": [[_num(b), _num(n)] for b, n in p.second_medians],
                 "not_repeated": p.not_repeated}
     return {"case_id": p.case_id, "impl": p.impl, "label": p.label, "mode": p.mode, "base_status": p.base_status,
             "new_status": p.new_status, "verdict": p.verdict, "time": time, "time_note": p.time_note,
@@ -241,7 +242,7 @@ def _pair(pm: PairMeasurement, seed: int) -> ABPair:
 
 
 def _medians(rounds: list[tuple[list[float], list[float]]]) -> list[tuple[float, float]]:
-    return [(statistics.median(b), statistics.median(n)) for b, n in rounds if b and n]
+    return [(st.block_time(b), st.block_time(n)) for b, n in rounds if b and n]
 
 
 def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float, n_tested: int) -> list[str]:

@@ -107,7 +107,7 @@ def _confirm(base: Side, new: Side, doubtful: list[PairMeasurement], b_pairs: di
 def _describe(pm: PairMeasurement) -> str:
     head = f"{pm.label} | {pm.impl}: "
     if pm.mode == INTERLEAVED and pm.rounds:
-        ratios = [statistics.median(n) / statistics.median(b) for b, n in pm.rounds if b and n]
+        ratios = [min(n) / min(b) for b, n in pm.rounds if b and n]  # the fastest call of each block
         return head + f"NEW/BASE {statistics.median(ratios):.3f} over {len(ratios)} rounds"
     statuses = " | ".join(f"{name} {r.status}" for name, r in (("BASE", pm.base), ("NEW", pm.new)) if r is not None)
     return head + statuses + (f" ({pm.mode})" if pm.mode != ONE_SIDE else " (one side only)")
