@@ -1,8 +1,10 @@
 """Plant a slowdown in an implementation for scripts/ab_validation.sh: `python ab_plant.py impls/NAME PCT`.
 
-Every call returned by the implementation's `prepare` then busy-waits PCT% of the time the call itself took
-(and, when the output is differentiable, 2 x PCT% of the forward time during backward, since backward costs
-about twice the forward): a slowdown proportional to the implementation's own work, whatever the case's size.
+Every call returned by the implementation's `prepare` then spins for PCT% of the CPU time the call itself used
+(and, when the output is differentiable, 2 x PCT% of it during backward, since backward costs about twice the
+forward): extra work proportional to the implementation's own, whatever the case's size. CPU time of the
+thread (time.thread_time), not wall time: on a loaded machine a call's wall time includes the time slices of
+other processes, and PCT% of that would plant more than PCT% of work.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ _PLANTED = {pct} / 100
 
 
 def _planted_spin(seconds):
-    end = _time.perf_counter() + seconds
-    while _time.perf_counter() < end:
+    end = _time.thread_time() + seconds
+    while _time.thread_time() < end:
         pass
 
 
@@ -31,9 +33,9 @@ def _planted(prepare):
         call = prepare(self, *args, **kwargs)
 
         def slowed():
-            start = _time.perf_counter()
+            start = _time.thread_time()
             out = call()
-            spent = _time.perf_counter() - start
+            spent = _time.thread_time() - start
             _planted_spin(_PLANTED * spent)
             if getattr(out, "requires_grad", False):
                 out.register_hook(lambda grad: (_planted_spin(2 * _PLANTED * spent), grad)[1])

@@ -6,7 +6,8 @@
 #   scripts/ab_validation.sh [OUT_DIR]          (default OUT_DIR: results/ab/<date>)
 #   env: PY (python with the project installed; default .venv/bin/python), SUITE (default suites/smoke.yaml),
 #        REPEATS (A/A repetitions, default 5), ROUNDS (default: bench ab's), IMPL (planted, default blocked),
-#        PLANTS (planted slowdowns in percent, default "10 5"), SMOKE_RUN=0 (skip the plain bench run)
+#        PLANTS (planted slowdowns in percent, default "10 5"), SMOKE_RUN=0 (skip the plain bench run),
+#        ONLY (run only these runs, e.g. "planted-5"), AB_ARGS (more bench ab arguments, e.g. "--impl blocked")
 #
 # Everything runs in a clean clone of HEAD in a temporary directory (the planted branches live and die there;
 # the working tree is not touched). Per run OUT_DIR gets the `--json` and `--markdown` outputs; summary.json and
@@ -52,11 +53,14 @@ timed() {  # NAME CMD...: runs CMD, writes NAME.json (stdout), NAME.md, NAME.log
 }
 
 ab() {  # NAME BASE NEW
-  timed "$1" "$PY" -m bench ab "$2" "$3" "$SUITE" "${rounds[@]}" --out "$store" --json --markdown "$out/$1.md"
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $1 "* ]]; then return 0; fi
+  # shellcheck disable=SC2086
+  timed "$1" "$PY" -m bench ab "$2" "$3" "$SUITE" "${rounds[@]}" ${AB_ARGS:-} --out "$store" --json \
+    --markdown "$out/$1.md"
 }
 
 for pct in $PLANTS; do plant "$pct"; done
-if [ "${SMOKE_RUN:-1}" != 0 ]; then  # SMOKE_RUN=0: keep the smoke-run.meta already in OUT_DIR
+if [ "${SMOKE_RUN:-1}" != 0 ] && [ -z "${ONLY:-}" ]; then  # SMOKE_RUN=0: keep the smoke-run.meta already in OUT_DIR
   timed smoke-run "$PY" -m bench run "$SUITE" --out "$store"
   rm -f "$out/smoke-run.json"
 fi
