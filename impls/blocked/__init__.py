@@ -6,15 +6,17 @@ banded patterns (Longformer's sliding chunks), gathered key blocks otherwise (`p
 blocks are partially allowed, with an exact softmax over the batch (`compute`). Grouped-query attention
 stacks the G query heads of a KV head as rows of the same products (K and V are never repeated). Memory
 never grows as N^2: the forward holds one step's scores per thread besides its output, and the backward
-(an autograd.Function walking the same steps) the saved probabilities of the allowed blocks.
+(an autograd.Function walking the same steps) the saved probabilities of the allowed blocks. bfloat16 and
+float16 inputs are computed in their own dtype: the products on the low-precision GEMMs (float32
+accumulation inside), the softmax statistics and the key-gradient sums in float32 (`compute`, `backward`).
 """
 
 from __future__ import annotations
 
 from bench.registry import Impl, register, setup_phase
-from impls.blocked.compute import blocked_attention
+from impls.blocked.attention import blocked_attention
 from impls.blocked.plan import make_plan
-from impls.common import accum_dtype, softmax_scale
+from impls.common import softmax_scale
 
 
 @register
@@ -28,8 +30,8 @@ class Blocked(Impl):
         hkv, n = k.shape[1], k.shape[2]
         group = h // hkv
         with setup_phase("mask"):  # the plan: which keys each step reads, and its masks
-            plan = make_plan(pattern, case.block_size, b * hkv, group, softmax_scale(case.head_dim), q.device)
-        acc = accum_dtype(q.dtype)
+            plan = make_plan(pattern, case.block_size, b * hkv, group, softmax_scale(case.head_dim), q.device,
+                             q.dtype)
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
         self._extras = {"path": plan.path, "block_size": case.block_size, "query_block_rows": plan.rows,
                         "group_size": group,
@@ -37,11 +39,11 @@ class Blocked(Impl):
                         "computed_over_allowed": plan.computed_pairs / max(1, pattern.nnz)}
 
         def call():
-            # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together (a view;
-            # low-precision query rows are converted step by step)
+            # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together, and
+            # (B, Hkv, N, D) -> (B*Hkv, N, D); views, products in the inputs' dtype
             grouped = q.reshape(b * hkv, group, nq, d)
-            keys, values = (t.reshape(b * hkv, n, d).to(acc) for t in (k, v))
-            return blocked_attention(plan, grouped, keys, values).reshape(q.shape).to(q.dtype)
+            keys, values = (t.reshape(b * hkv, n, d) for t in (k, v))
+            return blocked_attention(plan, grouped, keys, values).reshape(q.shape)
 
         return call
 

@@ -1,22 +1,25 @@
-"""The compute of `blocked`: batched dense products over a plan's key windows or gathered key blocks.
+"""The forward of `blocked`: batched dense products over a plan's key windows or gathered key blocks.
 
 Inputs are grouped by KV head: q (B*Hkv, G, q_len, D), k and v (B*Hkv, N, D). The G query heads of one KV
 head are stacked as the rows of one step, (G * rows, D) per query block, against that KV head's key window
 or gathered key blocks (keys, D): each window or gathered block is read once per KV head, not once per
 query head, and K and V are never repeated. The key gradients of the G heads sum inside the products.
 
-Forward, per step (a batch of query blocks, of several KV heads at once where their scores fit in
-STEP_BYTES): scores = scale * Q_blk K_blk^T in one GEMM (baddbmm, the scale inside it), the plan's bias
-pieces added where blocks are partially allowed, softmax, then P V_blk in one GEMM. Each query row's batch
-holds every key it may see, so the softmax is exact in one go (torch's fused kernel: a max pass, then
-exp, sum and normalise); no online rescaling is needed.
+Per step (a batch of query blocks, of several KV heads at once where their scores fit in STEP_BYTES):
+scores = scale * Q_blk K_blk^T in one GEMM (baddbmm, the scale inside it), the plan's bias pieces added
+where blocks are partially allowed, softmax, then P V_blk in one GEMM. Each query row's batch holds every
+key it may see, so the softmax is exact in one go (torch's fused kernel: a max pass, then exp, sum and
+normalise); no online rescaling is needed.
 
-Backward (`BlockedAttention`, an autograd.Function) walks the same steps with the saved probabilities:
-dV_blk = P^T dO, dP = dO V_blk^T, dS = P * (dP - rowsum(dO * O)), dQ = scale dS K_blk, dK_blk = scale
-dS^T Q. Key gradients of overlapping windows or shared blocks are summed with index_add_, step after
-step in a fixed order (`InOrder`), so that identical runs give identical gradients. Left to
-autograd, every step's slice of the shared windows would allocate a zero gradient of the full size:
-quadratic in N (2.8 s at N=8192 against 0.74 s at N=4096).
+Products run in the inputs' dtype: bfloat16 and float16 inputs use the low-precision GEMMs (on a CPU with
+AMX, bfloat16 runs about 6x float32's rate), which accumulate in float32 inside and round their result
+once; the softmax of low-precision scores computes its maximum, exponentials and sum in float32 (torch's
+CPU kernel converts each row) and rounds the probabilities once, to the dtype of the P V product. The
+backward (`backward`) accumulates the key gradients in float32. In bfloat16 the products stop being the
+cost: per score element the softmax pass took 1.2-1.6 ns on one core (thread time, on a loaded 2-core Xeon),
+as long as both products at D=64 (256 flops per element at about 250 GF/s); the bias and copy passes add to
+it. A fused kernel (torch's CPU flash attention over the same windows) measured no faster here: its query
+tiles of 32 rows repack each window for every tile.
 
 Steps are independent, so on CPU they run side by side on threads (`impls.common.run_steps`).
 """
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from impls.blocked.plan import BandPlan, BiasPiece, GatherPlan, GatherStep
-from impls.common import InOrder, run_steps
+from impls.common import run_steps
 
 
 def _pad_rows(x: Tensor, rows: int, dim: int = 1) -> Tensor:
@@ -80,7 +83,7 @@ def _gather_rows(x5: Tensor, h0: int, h1: int, blocks: Tensor, dtype: torch.dtyp
     return x5[h0:h1].transpose(1, 2)[:, blocks].to(dtype).view((h1 - h0) * len(blocks), g * rb, d)
 
 
-class _Scratch:
+class Scratch:
     """Buffers that the steps of one inference call reuse, one set per thread.
 
     A step's scores are dead once its output is written, so without autograd each thread keeps one buffer
@@ -107,6 +110,17 @@ class _Scratch:
         return buffer[:numel].view(shape)
 
 
+def packed(x: Tensor, scratch: Scratch, name: str) -> Tensor:
+    """x as the transposed operand of a product: as it is in float32 and float64 (MKL reads overlapping key
+    windows in place), else a contiguous copy in one of scratch's buffers. oneDNN's bfloat16 and float16 bmm
+    copy an overlapping, transposed operand slowly: one step's Q K^T over 16 windows of 320 keys took 0.4-0.7 ms
+    on the windows in place and 0.15-0.18 ms with them copied first (the copy included; thread time, one core).
+    """
+    if x.dtype in (torch.float32, torch.float64) or x.is_contiguous():
+        return x
+    return scratch.get(name, tuple(x.shape), x).copy_(x)
+
+
 def _scores(q: Tensor, k: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
     """q (X, rows, D), k (X, keys, D) -> scale * q k^T (X, rows, keys); beta=0 never reads the input."""
     buffer = q.new_empty(q.shape[0], q.shape[1], k.shape[1]) if out is None else out
@@ -126,18 +140,6 @@ def _softmax_(scores: Tensor) -> Tensor:
     """Softmax over the last dim, in place on CPU (torch's CPU kernel reads each row whole before writing
     it, so the aliasing is safe; tests compare the result with the oracle)."""
     return torch.softmax(scores, dim=-1, out=scores if scores.device.type == "cpu" else None)
-
-
-def _grads_of_step(p: Tensor, d_out: Tensor, out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """One step's (dQ_blk, dK_blk, dV_blk): p (X, rows, keys), d_out/out/q (X, rows, D), k/v (X, keys, D)."""
-    d_v = torch.bmm(p.transpose(1, 2), d_out)  # (X, keys, D)
-    d_p = torch.bmm(d_out, v.transpose(1, 2))  # (X, rows, keys)
-    delta = (d_out * out).sum(dim=-1, keepdim=True)  # rowsum(P * dP) = rowsum(dO * O)
-    d_s = d_p.sub_(delta).mul_(p)  # masked pairs have p = 0, so no gradient
-    d_q = torch.baddbmm(q.new_empty(q.shape), d_s, k, beta=0.0, alpha=scale)
-    d_k = torch.baddbmm(k.new_empty(k.shape), d_s.transpose(1, 2), q, beta=0.0, alpha=scale)
-    return d_q, d_k, d_v
 
 
 # --- band: sliding windows ------------------------------------------------------------------------------
@@ -203,24 +205,24 @@ def _pieces_of(segments: list[_Segment], r0: int, r1: int):
 
 
 def band_forward(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool) -> tuple[Tensor, list]:
-    """q (BHkv, G, q_len, D) in any float dtype, k, v (BHkv, N, D) float -> (out (BHkv, G, nb*rb, D) in k's
-    dtype, each step's probabilities when `keep`)."""
+    """q (BHkv, G, q_len, D), k, v (BHkv, N, D) -> (out (BHkv, G, nb*rb, D) in k's dtype, each step's
+    probabilities when `keep`)."""
     bk, g, _, d = q.shape
-    rb, nb, span, acc = plan.rows, plan.n_blocks, plan.span, k.dtype
+    rb, nb, span, cd = plan.rows, plan.n_blocks, plan.span, k.dtype
     q5 = _query_blocks(q, nb, rb)
     ks, vs = _window_segments(k, plan), _window_segments(v, plan)
     out = k.new_empty(bk, g, nb * rb, d)
     out5 = out.view(bk, g, nb, rb, d)
     direct = g == 1  # each query block's output is a contiguous slice of `out`
-    scratch, transient = _Scratch(keep), _Scratch(False)
+    scratch, transient = Scratch(keep), Scratch(False)
 
     def step(h0: int, h1: int, r0: int, r1: int) -> Tensor | None:
         scores = scratch.get("scores", (h1 - h0, r1 - r0, g * rb, span), k)
         for i, h in enumerate(range(h0, h1)):
-            rows = _band_rows(q5, h, r0, r1, acc)
+            rows = _band_rows(q5, h, r0, r1, cd)
             for seg, a, b in _pieces_of(ks, r0, r1):  # windows have one stride within a segment
-                _scores(rows[a - r0 : b - r0], seg.windows[h, a - seg.r0 : b - seg.r0], plan.scale,
-                        out=scores[i, a - r0 : b - r0])
+                keys = packed(seg.windows[h, a - seg.r0 : b - seg.r0], transient, "keys")
+                _scores(rows[a - r0 : b - r0], keys, plan.scale, out=scores[i, a - r0 : b - r0])
         _add_pieces(scores.view(h1 - h0, r1 - r0, g, rb, span), plan.pieces, r0, r1)
         probs = _softmax_(scores)
         for i, h in enumerate(range(h0, h1)):
@@ -234,50 +236,6 @@ def band_forward(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool) ->
 
     steps = _band_steps(plan, bk)
     return out, run_steps([lambda s=s: step(*s) for s in steps], q.device)
-
-
-def band_backward(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, probs: list[Tensor],
-                  d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of band_forward's output `out` (BHkv, G, nb*rb, D) given d_out (BHkv, G, q_len, D)."""
-    bk, g, nq, d = q.shape
-    rb, nb, span, n, acc = plan.rows, plan.n_blocks, plan.span, plan.n, k.dtype
-    q5, d_o5 = _query_blocks(q, nb, rb), _query_blocks(d_out, nb, rb)
-    out5 = out.view(bk, g, nb, rb, d)
-    ks, vs = _window_segments(k, plan), _window_segments(v, plan)
-    d_q = q.new_empty(bk, g, nb * rb, d)
-    d_q5 = d_q.view(bk, g, nb, rb, d)
-    d_k = torch.zeros(bk * n, d, dtype=acc, device=k.device)
-    d_v = torch.zeros_like(d_k)
-    offsets = torch.arange(span, device=q.device)
-    in_order = InOrder()
-
-    def step(i: int, h0: int, h1: int, r0: int, r1: int) -> None:
-        adds = []  # (h, a, dK, dV) of blocks a .. of KV head h
-        try:
-            for j, h in enumerate(range(h0, h1)):
-                d_o, o, qq = (_band_rows(x5, h, r0, r1, acc) for x5 in (d_o5, out5, q5))
-                for (seg, a, b), (v_seg, _, _) in zip(_pieces_of(ks, r0, r1), _pieces_of(vs, r0, r1), strict=True):
-                    x, y = a - r0, b - r0
-                    dq, dk, dv = _grads_of_step(probs[i][j, x:y], d_o[x:y], o[x:y], qq[x:y],
-                                                seg.windows[h, a - seg.r0 : b - seg.r0],
-                                                v_seg.windows[h, a - seg.r0 : b - seg.r0], plan.scale)
-                    _put_band_rows(d_q5, h, a, b, dq)
-                    adds.append((h, a, dk, dv))
-        except BaseException:
-            with in_order.turn(i):  # pass the turn on, then fail
-                raise
-        with in_order.turn(i):  # windows overlap, within and across steps
-            for h, a, dk, dv in adds:
-                # Window keys outside the sequence have zero gradient (their probabilities are 0): clamped
-                # onto the first or last key they add nothing.
-                blocks = torch.arange(a, a + dk.shape[0], device=q.device)[:, None]
-                rows = ((plan.base + blocks * rb + offsets).clamp_(0, n - 1) + h * n).flatten()
-                d_k.index_add_(0, rows, dk.reshape(-1, d))
-                d_v.index_add_(0, rows, dv.reshape(-1, d))
-
-    steps = _band_steps(plan, bk)
-    run_steps([lambda i=i, s=s: step(i, *s) for i, s in enumerate(steps)], q.device)
-    return d_q[:, :, :nq], d_k.view(bk, n, d), d_v.view(bk, n, d)
 
 
 # --- gather: key blocks ---------------------------------------------------------------------------------
@@ -303,42 +261,28 @@ def _batched(x: Tensor, s: GatherStep, hg: int) -> Tensor:
     return x.view(hg, -1, x.shape[-1]) if s.run_start is not None else x
 
 
-def _key_rows(s: GatherStep, h0: int, h1: int, n: int, bs: int) -> Tensor:
-    """Rows of the (BHkv*N, D) key gradient that the step's keys (as `_gathered` lays them out) add into.
-
-    Key columns past N (padding of the last key block) have zero gradient: clamped onto the last key, they
-    add nothing."""
-    in_block = torch.arange(bs, device=s.kv.device)
-    heads = torch.arange(h0, h1, device=s.kv.device)
-    if s.run_start is not None:
-        cols = torch.arange(s.run_start * bs, s.run_start * bs + s.keys, device=s.kv.device).clamp_(max=n - 1)
-        return (heads[:, None] * n + cols).flatten()  # (hg*c*bs,)
-    cols = (s.kv[:, :, None] * bs + in_block).clamp_(max=n - 1)  # (R, c, bs)
-    return (heads.view(-1, 1, 1, 1) * n + cols).flatten()  # (hg*R*c*bs,)
-
-
 def _key_blocks(x: Tensor, plan: GatherPlan) -> Tensor:
     """(BHkv, N, D) -> (BHkv, nkb, bs, D), zero padded (a view when bs divides N)."""
     return _pad_rows(x, plan.n_key_blocks * plan.block).view(x.shape[0], plan.n_key_blocks, plan.block, x.shape[2])
 
 
 def gather_forward(plan: GatherPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool) -> tuple[Tensor, list]:
-    """q (BHkv, G, q_len, D) in any float dtype, k, v (BHkv, N, D) float -> (out (BHkv, G, nqb*rb, D) in k's
-    dtype, each unit's probabilities when `keep`)."""
+    """q (BHkv, G, q_len, D), k, v (BHkv, N, D) -> (out (BHkv, G, nqb*rb, D) in k's dtype, each unit's
+    probabilities when `keep`)."""
     bk, g, _, d = q.shape
-    rb, nqb, acc = plan.rows, plan.n_blocks, k.dtype
+    rb, nqb, cd = plan.rows, plan.n_blocks, k.dtype
     q5 = _query_blocks(q, nqb, rb)
     kb, vb = _key_blocks(k, plan), _key_blocks(v, plan)
     out = k.new_empty(bk, g, nqb * rb, d)
     out5 = out.view(bk, g, nqb, rb, d)
-    scratch = _Scratch(keep)
+    scratch = Scratch(keep)
 
     def unit(s: GatherStep, h0: int, h1: int) -> Tensor | None:
         r, hg = len(s.rows), h1 - h0
         if s.keys == 0:  # no allowed key: zeros
             out5[h0:h1].index_fill_(2, s.rows, 0.0)
             return None
-        rows = _batched(_gather_rows(q5, h0, h1, s.rows, acc), s, hg)
+        rows = _batched(_gather_rows(q5, h0, h1, s.rows, cd), s, hg)
         scores = _scores(rows, _gathered(kb, s, h0, h1), plan.scale,
                          out=scratch.get("scores", (rows.shape[0], rows.shape[1], s.keys), k))
         _add_pieces(scores.view(hg, r, g, rb, s.keys), s.pieces, 0, r)
@@ -349,81 +293,3 @@ def gather_forward(plan: GatherPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool
 
     return out, run_steps([lambda u=u: unit(*u) for u in _gather_units(plan, bk)], q.device)
 
-
-def gather_backward(plan: GatherPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, probs: list,
-                    d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of gather_forward's output `out` (BHkv, G, nqb*rb, D) given d_out (BHkv, G, q_len, D)."""
-    bk, g, nq, d = q.shape
-    bs, rb, nqb, n, acc = plan.block, plan.rows, plan.n_blocks, plan.n, k.dtype
-    q5, d_o5 = _query_blocks(q, nqb, rb), _query_blocks(d_out, nqb, rb)
-    out5 = out.view(bk, g, nqb, rb, d)
-    kb, vb = _key_blocks(k, plan), _key_blocks(v, plan)
-    d_q = q.new_zeros(bk, g, nqb * rb, d)
-    d_q5 = d_q.view(bk, g, nqb, rb, d)
-    d_k = torch.zeros(bk * n, d, dtype=acc, device=k.device)
-    d_v = torch.zeros_like(d_k)
-    in_order = InOrder()
-
-    def unit(i: int, s: GatherStep, h0: int, h1: int) -> None:
-        if s.keys == 0:
-            with in_order.turn(i):  # nothing to add: pass the turn on
-                return
-        r, hg = len(s.rows), h1 - h0
-        try:
-            d_o, o, qq = (_batched(_gather_rows(x5, h0, h1, s.rows, acc), s, hg) for x5 in (d_o5, out5, q5))
-            dq, dk, dv = _grads_of_step(probs[i], d_o, o, qq, _gathered(kb, s, h0, h1), _gathered(vb, s, h0, h1),
-                                        plan.scale)
-        except BaseException:
-            with in_order.turn(i):  # pass the turn on, then fail
-                raise
-        d_q5[h0:h1].index_copy_(2, s.rows, dq.view(hg, r, g, rb, d).transpose(1, 2).to(d_q.dtype))
-        key_rows = _key_rows(s, h0, h1, n, bs)
-        with in_order.turn(i):  # key blocks are shared between query blocks
-            d_k.index_add_(0, key_rows, dk.reshape(-1, d))
-            d_v.index_add_(0, key_rows, dv.reshape(-1, d))
-
-    run_steps([lambda i=i, u=u: unit(i, *u) for i, u in enumerate(_gather_units(plan, bk))], q.device)
-    return d_q[:, :, :nq], d_k.view(bk, n, d), d_v.view(bk, n, d)
-
-
-# --- entry points ---------------------------------------------------------------------------------------
-
-
-def _forward(plan: BandPlan | GatherPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool) -> tuple[Tensor, list]:
-    if isinstance(plan, BandPlan):
-        return band_forward(plan, q, k, v, keep)
-    return gather_forward(plan, q, k, v, keep)
-
-
-class BlockedAttention(torch.autograd.Function):
-    """Differentiable blocked attention over grouped inputs; saves each step's probabilities (O(nnz))."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BandPlan | GatherPlan) -> Tensor:
-        out, probs = _forward(plan, q, k, v, keep=True)
-        ctx.save_for_backward(q, k, v, out)
-        ctx.probs, ctx.plan = probs, plan
-        return out[:, :, : q.shape[2]]
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out: Tensor):
-        q, k, v, out = ctx.saved_tensors
-        backward = band_backward if isinstance(ctx.plan, BandPlan) else gather_backward
-        grads = backward(ctx.plan, q, k, v, out, ctx.probs, d_out.contiguous())
-        ctx.probs = None
-        return (*grads, None)
-
-
-def blocked_attention(plan: BandPlan | GatherPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """q (B*Hkv, G, q_len, D), k, v (B*Hkv, N, D) -> (B*Hkv, G, q_len, D) in k's dtype: query head g of KV
-    head h reads h's keys. k and v are float32 or float64 (the accumulation dtype); q may be of lower
-    precision (its rows are converted step by step, and so are its gradient's). Rows without an allowed
-    key are zero."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out = BlockedAttention.apply(q, k, v, plan)
-    else:
-        out = _forward(plan, q, k, v, keep=False)[0][:, :, : q.shape[2]]
-    if plan.empty_rows is not None:
-        out = out.masked_fill(plan.empty_rows[:, None], 0.0)
-    return out

@@ -47,6 +47,11 @@ MAX_COLUMN_RUNS = 4
 # (band about 2k-1 image rows for k rows of keys: 1.9) and windows cut by documents (W=1024 over 8
 # documents: 2.2, gather 0.7x the band's time) go to the gather plan.
 BAND_OVERCOMPUTE = 1.3
+# Low-precision band windows are widened to a multiple of this many keys: oneDNN's bfloat16 products (AMX)
+# run on whole tiles, and an odd span ran one step's Q K^T at 190 GF/s against 300 at the next multiple of 32
+# (G*rows=256, D=128, 1087 against 1088 keys, one core; the extra keys are masked).
+SPAN_MULTIPLE = 32
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Pattern predicates make int64 temporaries of the broadcast shape: band masks are evaluated this many
 # (row, key) pairs at a time.
 MASK_CHUNK = 2**22
@@ -60,7 +65,7 @@ class BiasPiece:
     r1: int
     c0: int
     c1: int
-    bias: Tensor  # float32 (1 or r1 - r0, rows, c1 - c0): 0 allowed, -inf forbidden; one row = all alike
+    bias: Tensor  # the scores' dtype (1 or r1 - r0, rows, c1 - c0): 0 allowed, -inf forbidden; one row = all alike
 
 
 @dataclass
@@ -130,8 +135,10 @@ def column_runs(forbidden: Tensor) -> list[tuple[int, int]]:
     return [(runs[0][0], runs[-1][1])] if len(runs) > MAX_COLUMN_RUNS else runs
 
 
-def bias_pieces(allowed: Tensor, r0: int, device: torch.device) -> list[BiasPiece]:
-    """Pieces masking `allowed` (R, rows or 1, keys), for blocks r0 .. r0 + R; only the masked columns."""
+def bias_pieces(allowed: Tensor, r0: int, device: torch.device, dtype: torch.dtype = torch.float32
+                ) -> list[BiasPiece]:
+    """Pieces masking `allowed` (R, rows or 1, keys), for blocks r0 .. r0 + R; only the masked columns, in the
+    scores' dtype (0 and -inf are exact in every float dtype)."""
     forbidden = ~allowed
     if not bool(forbidden.any()):
         return []
@@ -139,7 +146,7 @@ def bias_pieces(allowed: Tensor, r0: int, device: torch.device) -> list[BiasPiec
         forbidden = forbidden[:1]  # every block alike: stored once, broadcast
     zero = torch.zeros((), dtype=torch.float32)
     return [BiasPiece(r0, r0 + allowed.shape[0], c0, c1,
-                      torch.where(forbidden[:, :, c0:c1], -math.inf, zero).contiguous().to(device))
+                      torch.where(forbidden[:, :, c0:c1], -math.inf, zero).to(device=device, dtype=dtype).contiguous())
             for c0, c1 in column_runs(forbidden)]
 
 
@@ -179,17 +186,20 @@ def _band_allowed(pattern, rb: int, nb: int, span: int, base: int) -> Tensor:
     return torch.cat(parts)
 
 
-def band_plan(pattern, bs: int, lo: int, hi: int, group: int, scale: float, device: torch.device) -> BandPlan:
+def band_plan(pattern, bs: int, lo: int, hi: int, group: int, scale: float, device: torch.device,
+              dtype: torch.dtype = torch.float32) -> BandPlan:
     """Sliding-window plan for a pattern allowed only where lo <= i - j <= hi; `group` query heads per KV head."""
     q_len, n = pattern.q_len, pattern.seq_len
     rb = min(bs, q_len)
     nb = math.ceil(q_len / rb)
     span = rb + hi - lo
+    if dtype in LOW_PRECISION:  # keys past the band's last are forbidden by the pattern: masked like the rest
+        span = -(-span // SPAN_MULTIPLE) * SPAN_MULTIPLE
     base = pattern.q_offset - hi
     allowed = _band_allowed(pattern, rb, nb, span, base)  # (nb, rb, span)
     empty = ~allowed.any(dim=2)  # (nb, rb), the padding rows past q_len included
     allowed |= empty[:, :, None]
-    pieces = [p for r0, r1 in _uniform_runs(allowed) for p in bias_pieces(allowed[r0:r1], r0, device)]
+    pieces = [p for r0, r1 in _uniform_runs(allowed) for p in bias_pieces(allowed[r0:r1], r0, device, dtype)]
     empty_rows = empty.flatten()[:q_len]
     return BandPlan(q_len, n, rb, nb, span, base, pieces,
                     empty_rows.to(device) if bool(empty_rows.any()) else None, scale,
@@ -214,7 +224,8 @@ def _buckets(counts: list[int]) -> list[list[int]]:
     return groups
 
 
-def gather_plan(pattern, bs: int, kv_heads: int, group: int, scale: float, device: torch.device) -> GatherPlan:
+def gather_plan(pattern, bs: int, kv_heads: int, group: int, scale: float, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> GatherPlan:
     """Block-gather plan from the pattern's block-sparse view (any pattern); `kv_heads` = B*Hkv, `group` = G."""
     q_len, n = pattern.q_len, pattern.seq_len
     sparse = pattern.block_sparse(bs)
@@ -259,7 +270,7 @@ def gather_plan(pattern, bs: int, kv_heads: int, group: int, scale: float, devic
                 row_allowed[rows] = ~empty[:, :, 0]
             else:
                 row_allowed[rows] = True
-            steps.append(GatherStep(rows.to(device), kv.to(device), bias_pieces(allowed, 0, device),
+            steps.append(GatherStep(rows.to(device), kv.to(device), bias_pieces(allowed, 0, device, dtype),
                                     heads_per_step, c * bs, int(kv[0, 0]) if shared else None))
     empty_rows = ~row_allowed.flatten()[:q_len]
     return GatherPlan(q_len, n, bs, rb, nqb, nkb, steps, empty_rows.to(device) if bool(empty_rows.any()) else None,
@@ -274,10 +285,10 @@ def _band_of(pattern) -> tuple[int, int] | None:
     return int(band[0]), int(band[1])
 
 
-def make_plan(pattern, bs: int, kv_heads: int, group: int, scale: float, device: torch.device
-              ) -> BandPlan | GatherPlan:
+def make_plan(pattern, bs: int, kv_heads: int, group: int, scale: float, device: torch.device,
+              dtype: torch.dtype = torch.float32) -> BandPlan | GatherPlan:
     """The band plan where the pattern is a band that is not much sparser inside than its blocks, else the
-    gather plan. `kv_heads` = B * Hkv, `group` = G query heads per KV head."""
+    gather plan. `kv_heads` = B * Hkv, `group` = G query heads per KV head, `dtype` the scores' (the inputs')."""
     band = _band_of(pattern)
     if band is not None:
         lo, hi = band
@@ -285,5 +296,5 @@ def make_plan(pattern, bs: int, kv_heads: int, group: int, scale: float, device:
         band_pairs = math.ceil(pattern.q_len / rb) * rb * (rb + hi - lo)
         gather_pairs = int(pattern.block_layout(bs).sum()) * rb * bs
         if band_pairs <= BAND_OVERCOMPUTE * gather_pairs:
-            return band_plan(pattern, bs, lo, hi, group, scale, device)
-    return gather_plan(pattern, bs, kv_heads, group, scale, device)
+            return band_plan(pattern, bs, lo, hi, group, scale, device, dtype)
+    return gather_plan(pattern, bs, kv_heads, group, scale, device, dtype)
