@@ -13,9 +13,12 @@ accumulation inside), the softmax statistics and the key-gradient sums in float3
 
 from __future__ import annotations
 
+import torch
+
 from bench.registry import Impl, register, setup_phase
-from impls.blocked.attention import blocked_attention
-from impls.blocked.plan import make_plan
+from impls.blocked.attention import blocked_attention, fused_attention
+from impls.blocked.fused import FUSED_ROWS, fused_available
+from impls.blocked.plan import BandPlan, make_plan
 from impls.common import softmax_scale
 
 
@@ -29,20 +32,28 @@ class Blocked(Impl):
         b, h, nq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         group = h // hkv
+        scale = softmax_scale(case.head_dim)
         with setup_phase("mask"):  # the plan: which keys each step reads, and its masks
-            plan = make_plan(pattern, case.block_size, b * hkv, group, softmax_scale(case.head_dim), q.device,
-                             q.dtype)
+            plan = make_plan(pattern, case.block_size, b * hkv, group, scale, q.device, q.dtype)
+            fused = None  # inference in low precision on a band: the fused kernel's plan, of FUSED_ROWS rows
+            if case.mode == "fwd" and isinstance(plan, BandPlan) and fused_available(q):
+                wide = plan if plan.rows >= FUSED_ROWS else \
+                    make_plan(pattern, FUSED_ROWS, b * hkv, group, scale, q.device, q.dtype)
+                fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan better
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
-        self._extras = {"path": plan.path, "block_size": case.block_size, "query_block_rows": plan.rows,
-                        "group_size": group,
-                        "computed_pairs_per_head": plan.computed_pairs,
-                        "computed_over_allowed": plan.computed_pairs / max(1, pattern.nnz)}
+        shown = plan if fused is None else fused
+        self._extras = {"path": plan.path if fused is None else "band_fused", "block_size": case.block_size,
+                        "query_block_rows": shown.rows, "group_size": group,
+                        "computed_pairs_per_head": shown.computed_pairs,
+                        "computed_over_allowed": shown.computed_pairs / max(1, pattern.nnz)}
 
         def call():
             # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together, and
             # (B, Hkv, N, D) -> (B*Hkv, N, D); views, products in the inputs' dtype
             grouped = q.reshape(b * hkv, group, nq, d)
             keys, values = (t.reshape(b * hkv, n, d) for t in (k, v))
+            if fused is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+                return fused_attention(fused, grouped, keys, values).reshape(q.shape)
             return blocked_attention(plan, grouped, keys, values).reshape(q.shape)
 
         return call

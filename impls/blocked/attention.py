@@ -7,6 +7,7 @@ from torch import Tensor
 
 from impls.blocked.backward import band_backward, gather_backward
 from impls.blocked.compute import band_forward, gather_forward
+from impls.blocked.fused import band_fused
 from impls.blocked.plan import BandPlan, GatherPlan
 
 
@@ -45,6 +46,14 @@ def blocked_attention(plan: BandPlan | GatherPlan, q: Tensor, k: Tensor, v: Tens
         out = BlockedAttention.apply(q, k, v, plan)
     else:
         out = _forward(plan, q, k, v, keep=False)[0][:, :, : q.shape[2]]
+    if plan.empty_rows is not None:
+        out = out.masked_fill(plan.empty_rows[:, None], 0.0)
+    return out
+
+
+def fused_attention(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`blocked_attention` without autograd through the fused kernel (`fused`), on a band plan."""
+    out = band_fused(plan, q, k, v)[:, :, : q.shape[2]]
     if plan.empty_rows is not None:
         out = out.masked_fill(plan.empty_rows[:, None], 0.0)
     return out

@@ -18,8 +18,7 @@ CPU kernel converts each row) and rounds the probabilities once, to the dtype of
 backward (`backward`) accumulates the key gradients in float32. In bfloat16 the products stop being the
 cost: per score element the softmax pass took 1.2-1.6 ns on one core (thread time, on a loaded 2-core Xeon),
 as long as both products at D=64 (256 flops per element at about 250 GF/s); the bias and copy passes add to
-it. A fused kernel (torch's CPU flash attention over the same windows) measured no faster here: its query
-tiles of 32 rows repack each window for every tile.
+it. Inference in low precision on a band plan therefore goes through a fused kernel instead (`fused`).
 
 Steps are independent, so on CPU they run side by side on threads (`impls.common.run_steps`).
 """

@@ -23,7 +23,7 @@ with no allowed key is left unmasked (softmax would give 0/0 = NaN, in backward 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -80,6 +80,7 @@ class BandPlan:
     empty_rows: Tensor | None  # bool (q_len,): rows with no allowed key; None when there are none
     scale: float
     blocks_per_step: int  # query blocks (of one KV head, its G query heads) whose scores fit in STEP_BYTES
+    fused_masks: dict = field(default_factory=dict, repr=False, compare=False)  # `fused`'s, built on first use
 
     path = "band"
 
