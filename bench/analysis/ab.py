@@ -254,11 +254,11 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
             notes.append(text.format(n=n))
     transient = [p for p in pairs if p.not_repeated]
     if transient:
-        notes.append(f"{len(transient)} pairs read SLOWER or FASTER in their rounds but not again in a second trial "
-                     "on fresh workers: a transient state of one side's process, not a change; AMBIGUOUS")
+        notes.append(f"{len(transient)} pair(s) read SLOWER or FASTER in their rounds but not again in a second trial "
+                     "on fresh workers: a transient state of one side's process, not called SLOWER or FASTER")
     seconds = sum(p.second is not None for p in pairs)
     if seconds:
-        notes.append(f"{seconds} pairs that could read SLOWER or FASTER were measured again on fresh workers after "
+        notes.append(f"{seconds} pair(s) that could read SLOWER or FASTER were measured again on fresh workers after "
                      "the others (a second trial); their verdicts pool both trials and stand only if the second "
                      "repeats the change")
     noisy = [p for p in pairs if p.verdict == st.NOISY]
