@@ -18,6 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 
 PEER = "sdpa"
+WINDOW_FIELDS = ("window", "image_width")
+WINDOWED = ("local", "causal_local", "sink", "neighborhood", "longformer", "bigbird")
 
 
 def ok_records(run_dir: Path) -> list[dict]:
@@ -30,10 +32,12 @@ def label(params: dict) -> str:
     dtype = params["dtype"].replace("bfloat", "bf").replace("float", "fp")
     parts = [params["pattern"], f"N={params['seq_len']}", dtype]
     for key, short in (("q_len", "q"), ("kv_heads", "Hkv"), ("documents", "docs"), ("window", "w"),
-                       ("image_width", "iw")):
+                       ("image_width", "iw"), ("density", "p")):
         value = params.get(key)
-        if value is not None and not (key == "window" and params["pattern"] in ("causal", "dense")):
-            parts.append(f"{short}={value if not isinstance(value, list) else len(value)}")
+        if value is None or (key in WINDOW_FIELDS and params["pattern"] not in WINDOWED) or (
+                key == "density" and params["pattern"] not in ("block_random", "random")):
+            continue
+        parts.append(f"{short}={value if not isinstance(value, list) else len(value)}")
     return " ".join(parts)
 
 
@@ -60,7 +64,12 @@ def report(run_dir: Path) -> None:
     for r in records:
         by_case[r["case_id"]][r["impl"]] = r
     sweeps: dict[tuple[str, str], list[tuple[float, float, float]]] = defaultdict(list)
-    for impls in by_case.values():
+    def order(impls: dict[str, dict]) -> tuple:
+        params = next(iter(impls.values()))["params"]
+        return (params["pattern"], params["dtype"], params["seq_len"], params.get("density") or 0,
+                params.get("q_len") or 0)
+
+    for impls in sorted(by_case.values(), key=order):
         peer = impls.get(PEER)
         any_record = next(iter(impls.values()))
         params = any_record["params"]
