@@ -3,7 +3,7 @@
 # against a throwaway branch that makes `blocked` about 10% slower and one about 5% slower, and the wall time of
 # one plain `bench run` of the same suite for scale.
 #
-#   scripts/ab_validation.sh [OUT_DIR]          (default OUT_DIR: results/ab/<date>)
+#   scripts/ab_validation.sh [OUT_DIR]          (default OUT_DIR: docs/ab/<date>)
 #   env: PY (python with the project installed; default .venv/bin/python), SUITE (default suites/smoke.yaml),
 #        REPEATS (A/A repetitions, default 5), ROUNDS (default: bench ab's), IMPL (planted, default blocked),
 #        PLANTS (planted slowdowns in percent, default "10 5"), SMOKE_RUN=0 (skip the plain bench run),
@@ -16,7 +16,7 @@
 # per-round medians at a 10% threshold.
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
-out=${1:-$repo/results/ab/$(date -u +%Y%m%d)}
+out=${1:-$repo/docs/ab/$(date -u +%Y%m%d)}
 PY=${PY:-$repo/.venv/bin/python}
 SUITE=${SUITE:-suites/smoke.yaml}
 REPEATS=${REPEATS:-5}

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from bench.analysis.history import build_history
 from bench.analysis.steps import best_segmentations, fit_levels, interval_costs, normalized_weights, weighted_median
 from bench.cli import main
+from bench.errors import BadInput
 from bench.results.index import load_index
 from tests.synthetic import commit_id, noisy, record, write_run
 
@@ -42,6 +43,16 @@ def test_a_step_is_found_with_its_commit_range(tmp_path):
     assert step.ratio == pytest.approx(1.3, rel=0.03) and step.direction == "slower"
     assert step.commit_range == f"{commit_id(6)[:10]}..{commit_id(7)[:10]}"
     assert sdpa.steps == () and len(sdpa.levels) == 1
+
+
+def test_the_calibration_directory_is_not_a_run_and_anything_else_is_refused(tmp_path):
+    store_with_step(tmp_path, n_commits=2)
+    (tmp_path / "calibration").mkdir()  # bench calibrate's rates live in the store
+    (tmp_path / "calibration" / "f00dcafe12345678.json").write_text("{}")
+    assert len(load_index(tmp_path).runs) == 2
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(BadInput, match=r"every directory under .* must be a run"):
+        load_index(tmp_path)
 
 
 def test_noise_alone_gives_no_steps(tmp_path):

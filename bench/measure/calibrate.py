@@ -21,8 +21,8 @@ from typing import Any
 from bench.errors import BadInput
 from bench.measure.timing import Timer, TimingPolicy, measure, timer_for
 from bench.results.environment import Calibration
+from bench.results.store import CALIBRATION_DIR
 
-CALIBRATION_DIR = "calibration"
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.errors import BadInput
-from bench.results.store import RUN_JSON, Run, load_run
+from bench.results.store import CALIBRATION_DIR, RUN_JSON, Run, load_run
 
 
 @dataclass
@@ -72,7 +72,8 @@ def load_index(root: Path) -> StoreIndex:
     if not root.is_dir():
         raise BadInput("no such results directory", file=str(root))
     runs = []
-    for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for path in sorted(p for p in root.iterdir()
+                       if p.is_dir() and not p.name.startswith(".") and p.name != CALIBRATION_DIR):
         if not (path / RUN_JSON).is_file():
             raise BadInput(f"a directory in the results store without {RUN_JSON}; every directory under "
                            f"{root} must be a run (move other files elsewhere)", file=str(path))

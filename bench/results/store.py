@@ -26,6 +26,8 @@ from bench.results.records import SCHEMA_VERSION, Record, RunInfo
 
 RUN_JSON = "run.json"
 RECORDS = "records.jsonl"
+# The one directory of the store that is not a run: `bench calibrate`'s rates per fingerprint (bench.measure.calibrate).
+CALIBRATION_DIR = "calibration"
 RUN_ID_RE = re.compile(r"^\d{8}T\d{6}-[0-9a-z]+-[a-z0-9_-]+$")
 
 
