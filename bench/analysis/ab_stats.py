@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
+from bench.analysis.stats import interval_verdict
+
 SLOWER, FASTER, SAME, NOISY, AMBIGUOUS = "SLOWER", "FASTER", "SAME", "NOISY", "AMBIGUOUS"
 VERDICTS = (SLOWER, FASTER, SAME, NOISY, AMBIGUOUS)
 MIN_ROUNDS = 5  # below this the signed-rank test cannot reach p < 0.05 at all (2 / 2^4 = 0.125)
@@ -152,20 +154,11 @@ def too_noisy(test: PairedTest, threshold: float, alpha: float, power: float = P
 
 def verdict(test: PairedTest, q_value: float, threshold: float, alpha: float) -> str:
     """SLOWER / FASTER / SAME / NOISY / AMBIGUOUS for one pair; `threshold` a fraction (0.1 = 10%)."""
-    if test.note is not None or not math.isfinite(test.ci_low):
-        return AMBIGUOUS
-    t = math.log1p(threshold)
-    lo, hi = math.log(test.ci_low), math.log(test.ci_high)
-    significant = q_value < alpha
-    if significant and lo > t:
-        return SLOWER
-    if significant and hi < -t:
-        return FASTER
-    if -t <= lo and hi <= t:
-        return SAME
-    if too_noisy(test, threshold, alpha):
+    judged = interval_verdict(test.ci_low, test.ci_high, test.note, q_value, threshold, alpha)
+    if judged == AMBIGUOUS and test.note is None and math.isfinite(test.ci_low) and too_noisy(test, threshold,
+                                                                                              alpha):
         return NOISY
-    return AMBIGUOUS
+    return judged
 
 
 def needs_second_trial(rounds: Sequence[tuple[Sequence[float], Sequence[float]]], seed: int, threshold: float,

@@ -152,10 +152,17 @@ def benjamini_hochberg(p_values: Sequence[float]) -> list[float]:
 
 def verdict(test: TimeTest, q_value: float, threshold: float, alpha: float) -> str:
     """SLOWER / FASTER / SAME / AMBIGUOUS for one pair; `threshold` is a fraction (0.1 = 10%)."""
-    if test.note is not None or not math.isfinite(test.ci_low):
+    return interval_verdict(test.ci_low, test.ci_high, test.note, q_value, threshold, alpha)
+
+
+def interval_verdict(ci_low: float, ci_high: float, note: str | None, q_value: float, threshold: float,
+                     alpha: float) -> str:
+    """The rule both `bench compare` and `bench ab` judge by, from a ratio's interval and its q-value: SLOWER
+    needs significance and the whole interval past 1 + threshold; FASTER mirrored; SAME inside the band."""
+    if note is not None or not math.isfinite(ci_low):
         return AMBIGUOUS
     t = math.log1p(threshold)
-    lo, hi = math.log(test.ci_low), math.log(test.ci_high)
+    lo, hi = math.log(ci_low), math.log(ci_high)
     significant = q_value < alpha
     if significant and lo > t:
         return SLOWER
