@@ -125,7 +125,7 @@ def test_measure_peak_sends_cuda_devices_to_the_cuda_path(monkeypatch):
 def _peaks(tmp, impls: list[str], defaults: dict, seq_lens: list[int]) -> dict[str, dict[int, int]]:
     """peak_bytes by impl and seq_len from one `bench run` of local attention over seq_lens.
 
-    The worker runs single-threaded: csr and blocked run their steps on as many threads as torch has, and
+    One torch thread: csr and blocked run their steps on as many threads as torch has, and
     how much of two steps' transient memory coincides depends on scheduling (up to a factor of the thread
     count), which would blur the law checked here.
     """
@@ -141,6 +141,7 @@ def _peaks(tmp, impls: list[str], defaults: dict, seq_lens: list[int]) -> dict[s
     for r in read_jsonl(only_run_dir(tmp / "results") / "records.jsonl"):
         assert r["status"] == "ok", json.dumps(r)[:500]
         assert r["memory"]["method"] == "rss_hwm" and r["memory"]["note"] is None
+        assert r["memory"]["process"] == "fresh"  # a process forked for this measurement alone
         out[r["impl"]][r["params"]["seq_len"]] = r["memory"]["peak_bytes"]
     return out
 
@@ -161,26 +162,64 @@ def sparse_peaks(tmp_path_factory) -> dict[str, dict[int, int]]:
                   SPARSE_N)
 
 
+# Each figure is read in a fresh process (bench.run.forkserver), so it repeats: over 10 runs of these suites
+# (scripts/memory_stability.py, sweep order reversed every other run) dense's doublings read 3.98..4.14, csr's
+# 1.99..2.04 and blocked's 1.61..1.79 (its steps' buffers are a constant beside the O(nnz) output), every figure
+# within 4% of itself. The bounds tell linear (2 per doubling) from quadratic (4) at every doubling.
+
+
 def test_dense_peak_holds_the_score_matrix_and_grows_as_n_squared(dense_peaks):
     for n in DENSE_N:
         assert dense_peaks[n] >= DENSE_HEADS * n * n * 4, f"N={n}: {dense_peaks[n]} bytes < the float32 scores"
     for small, big in itertools.pairwise(DENSE_N):
-        assert 3.3 <= dense_peaks[big] / dense_peaks[small] <= 4.7, (small, big, dense_peaks)
+        assert 3.5 <= dense_peaks[big] / dense_peaks[small] <= 4.5, (small, big, dense_peaks)
 
 
 @pytest.mark.parametrize("impl", ["csr", "blocked"])
 def test_sparse_peaks_grow_as_nnz(sparse_peaks, impl):
     peaks = sparse_peaks[impl]
-    # nnz doubles with N at a fixed window: about 2 per doubling and 4 over the range if linear, 4 and 16 if
-    # quadratic. The bounds sit between the two laws with room for the spread seen in repeated runs of the
-    # same code: csr's sparse kernels allocate as they go and the heap state the previous case leaves moves
-    # the resident-size figure (csr at N=8192: 28 to 45 MB), so single doublings ranged 1.26..3.15 and the
-    # whole range 2.8..5.7 (blocked 2.78..3.6).
-    for small, big in itertools.pairwise(SPARSE_N):
-        assert 1.15 <= peaks[big] / peaks[small] <= 3.5, (impl, small, big, peaks)
-    assert 2.2 <= peaks[SPARSE_N[-1]] / peaks[SPARSE_N[0]] <= 9.0, (impl, peaks)
+    for small, big in itertools.pairwise(SPARSE_N):  # nnz doubles with N at a fixed window
+        assert 1.4 <= peaks[big] / peaks[small] <= 2.6, (impl, small, big, peaks)
+    assert 2.5 <= peaks[SPARSE_N[-1]] / peaks[SPARSE_N[0]] <= 5.0, (impl, peaks)
     n = SPARSE_N[-1]
     assert peaks[n] * 10 < SPARSE_HEADS * n * n * 4, (impl, peaks)  # a tenth of dense's scores alone
+
+
+def test_an_earlier_case_does_not_move_the_figure(tmp_path):
+    # The same case (two seeds: the same shapes and plan, other values) before and after a case four times
+    # its size: read in the worker, the second figure depended on what the bigger case left on the heap.
+    suite = write_suite(tmp_path, {
+        "name": "memory-order", "impls": ["csr", "blocked"],
+        "defaults": {"pattern": "local", "window": 64, "device": "cpu", "heads": 4, "head_dim": 64,
+                     "seq_len": 4096},
+        "sweeps": [{"defaults": {"seed": 0}, "sweep": {}}, {"defaults": {"seq_len": 16384}, "sweep": {}},
+                   {"defaults": {"seed": 1}, "sweep": {}}],
+        "measure": {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 300, "check": False},
+    })
+    proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"), env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    peaks = {(r["impl"], r["params"]["seq_len"], r["params"]["seed"]): r["memory"]["peak_bytes"]
+             for r in read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")}
+    for impl in ("csr", "blocked"):
+        before, after = peaks[(impl, 4096, 0)], peaks[(impl, 4096, 1)]
+        assert abs(after - before) <= 0.03 * before, (impl, before, after)
+        assert peaks[(impl, 16384, 0)] > 2.5 * before, (impl, peaks)
+
+
+def test_a_failed_fresh_process_falls_back_to_the_worker_and_says_so():
+    case = Case(batch=1, heads=2, seq_len=256, head_dim=32, device="cpu")
+    task = Task.of(case, "dense", {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 60, "check": False})
+    asked: list[str] = []
+
+    def fresh(t: Task) -> dict:
+        asked.append(t.impl)
+        return {"error": "the fresh process ended without an answer (killed by SIGKILL)"}
+
+    record = measure_task(task, CaseCache(), fresh=fresh)
+    assert asked == ["dense"] and record.status == "ok"
+    assert record.memory.process == "shared" and record.memory.peak_bytes >= 2 * 256 * 256 * 4
+    assert record.memory.note == ("measured in the worker after earlier cases: the fresh process failed (the "
+                                  "fresh process ended without an answer (killed by SIGKILL))")
 
 
 class WeightedSum(Impl):

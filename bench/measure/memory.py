@@ -11,6 +11,13 @@ memory back at once, after `malloc_trim(0)` has released what the heap held. Tim
 usual steady state instead (allocations under 32 MiB reused from the heap, the ceiling glibc's own dynamic
 threshold grows to): mapping every allocation afresh makes each call fault its pages in again, which made
 calls with many temporaries up to 2x slower than in a user's process.
+
+Switching at the measured call is not enough where the heap already holds large free chunks: glibc serves a
+request from a free chunk that fits before it considers mapping, so the call reuses what earlier calls left
+and the figure depends on that layout (csr's same call read 13.5 to 23 MB from one process to the next). A
+process that only measures memory (`bench.measure.pair.memory_alone`, in a fresh process) therefore tracks
+from its start (`track_allocations`): no large chunk ever lives on its heap, and the figure repeats (13.5 to
+13.7 MB over the same processes).
 """
 
 from __future__ import annotations
@@ -101,6 +108,12 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
         return False
     ok = _LIBC.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap_threshold))
     return bool(ok and _LIBC.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim_threshold)))
+
+
+def track_allocations() -> bool:
+    """From now on, map every allocation of 64 KiB or more and give freed memory back at once (for a process
+    that measures memory only); False where the C library is not glibc."""
+    return set_malloc_thresholds(TRACKING_MMAP_THRESHOLD, TRACKING_TRIM_THRESHOLD)
 
 
 @contextlib.contextmanager

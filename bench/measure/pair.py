@@ -9,7 +9,8 @@ in benchmarks/, `bench ab`'s blocks and `bench.api` all go through these steps, 
    phases an implementation marks (`bench.registry.setup_phase`: mask building, compilation) timed apart;
 4. `check_against_oracle` (bench.measure.check): the output (and dq, dk, dv in fwd_bwd) against the oracle;
 5. timing (`bench.measure.timing`), in one adaptive run or in short blocks (`PairSession.block`);
-6. memory (`bench.measure.memory`);
+6. memory (`bench.measure.memory`): on CPU, where the caller can, in a fresh process (`memory_alone`, run there by
+   the worker's fork server, bench.run.forkserver), so that no earlier case moves the figure;
 7. the `Record`.
 
 Any exception of the implementation becomes a `failed` record naming the phase, an output off the oracle an
@@ -31,7 +32,7 @@ from bench.measure import flops as flop_counts
 from bench.measure.calibrate import gpu_identity, peak_for
 from bench.measure.check import check_against_oracle
 from bench.measure.env import device_description
-from bench.measure.memory import measure_peak
+from bench.measure.memory import measure_peak, track_allocations
 from bench.measure.memory_model import does_not_fit
 from bench.measure.nvml import device_monitor
 from bench.measure.steps import (
@@ -53,6 +54,9 @@ from bench.patterns import Pattern
 from bench.results.records import Record
 from bench.results.store import utc_now
 from bench.spec.case import Case
+
+# {"answer": memory dict} from `memory_alone(task)` run in a fresh process, or {"error": why not}
+FreshMemory = Callable[[Task], dict[str, Any]]
 
 # --- one pair in this process --------------------------------------------------------------------------------
 
@@ -88,8 +92,9 @@ class PairSession:
     still timed: only a failure ends it early).
     """
 
-    def __init__(self, task: Task, cache: CaseCache, phase: Phase = no_phase, timer: Timer | None = None) -> None:
-        self.task, self.cache, self.phase = task, cache, phase
+    def __init__(self, task: Task, cache: CaseCache, phase: Phase = no_phase, timer: Timer | None = None,
+                 fresh: FreshMemory | None = None) -> None:
+        self.task, self.cache, self.phase, self.fresh = task, cache, phase, fresh
         self.case = Case(**task.case)
         self.impl = registry.get(task.impl)
         self.started, self._t0 = utc_now(), time.perf_counter()
@@ -214,7 +219,14 @@ class PairSession:
         self.current = "memory"
         self.phase(self.current)
         self.q.grad = self.k.grad = self.v.grad = None  # freed inside the measured step, they would hide its own
-        return measure_peak(self.step, self.case.device)
+        note = None
+        if self.fresh is not None and self.case.device == "cpu":
+            fresh = self.fresh(self.task)
+            if "answer" in fresh:
+                return fresh["answer"]
+            note = f"measured in the worker after earlier cases: the fresh process failed ({fresh['error']})"
+        measured = measure_peak(self.step, self.case.device)
+        return {**measured, "process": "shared", "note": measured["note"] or note}
 
     def record(self, time_s: dict[str, Any], memory: dict[str, Any] | None,
                device_state: dict[str, Any] | None = None) -> Record:
@@ -226,13 +238,35 @@ class PairSession:
                             flops_per_s=flops_per_s, env=device_state, peak=peak)
 
 
-def measure_task(task: Task, cache: CaseCache, phase: Phase = no_phase) -> Record:
+def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:
+    """The task's memory figure (PairSession.memory's) measured in this process as its only case: pattern,
+    inputs, prepare and the first call, one more call (the steady state: plans, buffers and caches sized), then
+    the measured call, every large allocation mapped afresh from the start (`track_allocations`). Run in a fresh
+    process (bench.run.forkserver); raises what the implementation raises."""
+    task = Task.model_validate(task_json)
+    case = Case(**task.case)
+    if case.device == "cpu":
+        track_allocations()  # no large free chunk on the heap for the measured call to reuse
+    impl = registry.get(task.impl)
+    pattern = case.make_pattern()
+    q, k, v = (t.detach().requires_grad_(case.mode == "fwd_bwd") for t in make_inputs(case))
+    grad_out = upstream_grad(case) if case.mode == "fwd_bwd" else None
+    prepared = prepare_call(impl, case, pattern, q, k, v)
+    step = timed_step(prepared.fn, q, k, v, grad_out)
+    del prepared
+    step()
+    q.grad = k.grad = v.grad = None
+    return {**measure_peak(step, case.device), "process": "fresh"}
+
+
+def measure_task(task: Task, cache: CaseCache, phase: Phase = no_phase, fresh: FreshMemory | None = None
+                 ) -> Record:
     """Measure one (case, impl) as `bench run` does; never raises for problems of the implementation.
 
     After an out-of-memory failure the memory the failed call left behind is released here, once its frames
     are gone, so that the next (case, impl) in this worker starts from a clean device.
     """
-    session = PairSession(task, cache, phase)
+    session = PairSession(task, cache, phase, fresh=fresh)
     record = _measure(session)
     if record.failure == "out_of_memory":
         release_memory(session.case.device)

@@ -283,8 +283,10 @@ def assemble_record(task: Task, parts: list[dict[str, Any]], backend: str, start
     root = parts[0]
     peaks = [p["memory"]["peak_bytes"] for p in parts]
     known = [b for b in peaks if b is not None]
-    memory = {"peak_bytes": max(known) if known else None, "method": root["memory"]["method"],
-              "note": f"largest of {world} ranks; per rank: {peaks}"}
+    method = root["memory"]["method"]
+    memory = {"peak_bytes": max(known) if known else None, "method": method,
+              "note": f"largest of {world} ranks; per rank: {peaks}",
+              "process": "shared" if method == "rss_hwm" else None}  # each rank after its own timing
     config = {**root.get("config", {}), "world_size": world, "backend": backend}
     if task.case.get("device") == "cpu":
         config["threads_per_rank"] = root.get("threads")

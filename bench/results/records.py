@@ -21,6 +21,9 @@ STATUSES: tuple[str, ...] = get_args(Status)
 FailureKind = Literal["error", "out_of_memory", "timeout", "died", "startup"]
 StoppedBy = Literal["precision", "max_time", "max_samples", "blocks", "model"]
 MemoryMethod = Literal["cuda_max_memory_allocated", "rss_hwm", "model"]
+# Where a CPU figure was read: a process forked for this measurement alone, or one that ran other calls first
+# (the worker after earlier cases, a rank after its timing)
+MemoryProcess = Literal["fresh", "shared"]
 PeakSource = Literal["calibrated", "datasheet"]
 Source = Literal["measured", "modelled"]
 
@@ -50,6 +53,7 @@ class MemoryInfo(BaseModel):
     peak_bytes: int | None
     method: MemoryMethod | None = None
     note: str | None = None
+    process: MemoryProcess | None = None  # rss_hwm only
 
 
 class CommOp(BaseModel):

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -25,6 +26,10 @@ from bench.measure.task import Task
 from bench.results.records import FailureKind
 from bench.run import messages
 from bench.run.child import STARTUP_TIMEOUT_S, Child, ChildSide, describe_exit
+from bench.run.forkserver import ForkServer
+
+if TYPE_CHECKING:
+    from bench.measure.pair import FreshMemory
 
 WORKER_MODULE = "bench.run.worker"
 
@@ -191,8 +196,9 @@ def _parse(obj: dict[str, Any] | None) -> Any:
 # --- the worker side ---------------------------------------------------------------------------------------
 
 
-def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None) -> int:
-    """Answer the runner's messages until Exit or the end of the task pipe."""
+def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None,
+          fresh: FreshMemory | None = None) -> int:
+    """Answer the runner's messages until Exit or the end of the task pipe; `fresh` measures CPU memory."""
     from bench.measure.pair import CaseCache, PairSession, measure_task
 
     cache = CaseCache()
@@ -207,10 +213,10 @@ def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None) 
         if isinstance(message, messages.Exit):
             break
         if isinstance(message, messages.Measure):
-            record = measure_task(message.task, cache, phase)
+            record = measure_task(message.task, cache, phase, fresh)
             side.send(messages.RecordDone(record=record.model_dump(mode="json")))
         elif isinstance(message, messages.Open):
-            session = PairSession(message.task, cache, phase)
+            session = PairSession(message.task, cache, phase, fresh=fresh)
             final = session.open()
             if final is None:
                 try:
@@ -279,8 +285,25 @@ def main(argv: list[str] | None = None) -> int:
         detail = exc.detail if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
         side.send(messages.Ready(error=detail))
         return 1
+    server = _fork_server(side)
     side.send(messages.Ready())
-    return serve(side, [(str(spec), base) for spec, base in json.loads(args.plugins)])
+    try:
+        return serve(side, [(str(spec), base) for spec, base in json.loads(args.plugins)],
+                     None if server is None else lambda task: server.run(task.model_dump(mode="json"),
+                                                                         task.measure.timeout_s))
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _fork_server(side: ChildSide) -> ForkServer | None:
+    """The server that forks a fresh process per CPU memory measurement (bench.run.forkserver): forked now,
+    before any task has run; None where this system cannot fork (memory is then measured in the worker)."""
+    if not hasattr(os, "fork"):
+        return None
+    from bench.measure.pair import memory_alone
+
+    return ForkServer(memory_alone, close_fds=tuple(fd for fd in (side.result_fd, side.task_fd) if fd is not None))
 
 
 if __name__ == "__main__":

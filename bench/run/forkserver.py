@@ -1,0 +1,136 @@
+"""Fresh processes for CPU memory measurement: a fork server started by the worker before its first task.
+
+On CPU a call's peak is read from the process's resident high-water mark (`bench.measure.memory`). In a worker
+that has measured other cases that figure moves with what they left behind: glibc's heap, MKL's and oneDNN's
+GEMM buffers sized by the largest product seen so far, thread stacks. The same call of csr read 28 to 45 MB
+depending on the case before it. So the worker forks, before it measures anything, a server process that has
+imported everything and run nothing; for each memory measurement the server forks a fresh process from that
+clean state, which builds the case again, calls it twice (the first call and the steady state timing reached)
+and measures the third. No earlier case can move the figure, and a crash there costs only the figure.
+
+The server is forked before any parallel region has run (GNU OpenMP's thread pool does not survive a fork), and
+before CUDA is initialised: it is used for CPU cases only. Fork is cheap (pages are shared until written); each
+measurement pays the case's setup once more (for compiled implementations, a compile served from Inductor's
+on-disk cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from bench.run.child import describe_exit, die_with_parent
+
+Job = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _exit_status(status: int) -> str:
+    return describe_exit(os.waitstatus_to_exitcode(status))
+
+
+def _run_fresh(job: Job, request: dict[str, Any]) -> dict[str, Any]:
+    """Fork one process for `request`; its answer, or {"error": ...} when it ended without one."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fresh process
+        os.close(read_fd)
+        die_with_parent()
+        answer: dict[str, Any]
+        try:
+            answer = {"answer": job(request)}
+        except BaseException as exc:  # reported to the worker, never raised here
+            answer = {"error": f"{type(exc).__name__}: {exc}", "details": traceback.format_exc()[-4000:]}
+        try:
+            os.write(write_fd, json.dumps(answer).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    with os.fdopen(read_fd, "rb") as pipe:
+        while chunk := pipe.read(1 << 16):
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        return {"error": f"the fresh process ended without an answer ({_exit_status(status)})"}
+
+
+def _serve(job: Job, requests: int, answers: int) -> None:
+    with os.fdopen(requests, "r", encoding="utf-8") as lines:
+        for line in lines:
+            os.write(answers, (json.dumps(_run_fresh(job, json.loads(line))) + "\n").encode())
+
+
+class ForkServer:
+    """A server process forked from this one now; `run(request)` runs `job(request)` in a fresh fork of it.
+
+    `close_fds`: descriptors of this process the server must not hold open (the worker's pipes to the runner,
+    whose end the runner watches to tell that the worker died).
+    """
+
+    def __init__(self, job: Job, close_fds: tuple[int, ...] = ()) -> None:
+        request_read, self._requests = os.pipe()
+        self._answers, answer_write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the server
+            code = 1
+            try:
+                for fd in (self._requests, self._answers, *close_fds):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                die_with_parent()
+                _serve(job, request_read, answer_write)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(request_read)
+        os.close(answer_write)
+        self.pid = pid
+        self._buffer = b""
+        self.broken: str | None = None
+
+    def run(self, request: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """{"answer": ...} from the fresh process, or {"error": ...} saying why there is none."""
+        if self.broken:
+            return {"error": self.broken}
+        try:
+            os.write(self._requests, (json.dumps(request) + "\n").encode())
+        except OSError as exc:
+            return self._break(f"the fork server is gone ({exc.strerror})")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._answers], [], [], wait)
+            if not ready:
+                self.close()
+                return self._break(f"no answer from the fresh process within {timeout_s:g} s")
+            chunk = os.read(self._answers, 1 << 16)
+            if not chunk:
+                return self._break("the fork server died")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _break(self, why: str) -> dict[str, Any]:
+        self.broken = why
+        return {"error": why}
+
+    def close(self) -> None:
+        """End the server (and a fresh process still running: it dies with it)."""
+        for fd in (self._requests, self._answers):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, 9)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(self.pid, 0)
