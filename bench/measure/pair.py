@@ -164,8 +164,10 @@ class PairSession:
         try:
             self.current = "check"
             self.phase(self.current)
+            started = time.perf_counter()
             self.error, self.problem = check_against_oracle(case, impl, pattern, q, k, v, out, grad_out,
                                                             full=self.task.measure.check, oracle=cache.oracle)
+            self.base["check_s"] = time.perf_counter() - started
         except Exception as exc:
             return self.failed(exc)
         del out, prepared.first_output
@@ -219,6 +221,14 @@ class PairSession:
         self.current = "memory"
         self.phase(self.current)
         self.q.grad = self.k.grad = self.v.grad = None  # freed inside the measured step, they would hide its own
+        started = time.perf_counter()
+        try:
+            return self._memory()
+        finally:
+            self.base["memory_s"] = time.perf_counter() - started
+
+    def _memory(self) -> dict[str, Any]:
+        assert self.step is not None
         note = None
         if self.fresh is not None and self.case.device == "cpu":
             fresh = self.fresh(self.task)
@@ -226,6 +236,8 @@ class PairSession:
                 return fresh["answer"]
             note = f"measured in the worker after earlier cases: the fresh process failed ({fresh['error']})"
         measured = measure_peak(self.step, self.case.device)
+        if measured["method"] != "rss_hwm":
+            return measured
         return {**measured, "process": "shared", "note": measured["note"] or note}
 
     def record(self, time_s: dict[str, Any], memory: dict[str, Any] | None,

@@ -182,6 +182,8 @@ class Record(BaseModel):
     details: str | None = None  # traceback tail of a failure
     started_at: str | None = None
     wall_s: float | None = None  # wall time spent on this (case, impl), all phases
+    check_s: float | None = None  # of which the oracle check (computing the oracle where this pair was first)
+    memory_s: float | None = None  # of which the memory measurement (on CPU: the case again, in a fresh process)
 
     @model_validator(mode="before")
     @classmethod
