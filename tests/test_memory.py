@@ -142,6 +142,7 @@ def _peaks(tmp, impls: list[str], defaults: dict, seq_lens: list[int]) -> dict[s
         assert r["status"] == "ok", json.dumps(r)[:500]
         assert r["memory"]["method"] == "rss_hwm" and r["memory"]["note"] is None
         assert r["memory"]["process"] == "fresh"  # a process forked for this measurement alone
+        assert 0 < r["memory_s"] < r["wall_s"] and 0 <= r["check_s"] < r["wall_s"]
         out[r["impl"]][r["params"]["seq_len"]] = r["memory"]["peak_bytes"]
     return out
 

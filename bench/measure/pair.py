@@ -252,8 +252,8 @@ class PairSession:
 
 def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:
     """The task's memory figure (PairSession.memory's) measured in this process as its only case: pattern,
-    inputs, prepare and the first call, one more call (the steady state: plans, buffers and caches sized), then
-    the measured call, every large allocation mapped afresh from the start (`track_allocations`). Run in a fresh
+    inputs, prepare and the first call (plans, buffers and compiled code made; in fwd_bwd one more step, so that
+    the backward has run once too), then the measured call, every large allocation mapped afresh from the start (`track_allocations`). Run in a fresh
     process (bench.run.forkserver); raises what the implementation raises."""
     task = Task.model_validate(task_json)
     case = Case(**task.case)
@@ -266,7 +266,8 @@ def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:
     prepared = prepare_call(impl, case, pattern, q, k, v)
     step = timed_step(prepared.fn, q, k, v, grad_out)
     del prepared
-    step()
+    if grad_out is not None:
+        step()  # the first call ran forward only: the measured one is not the first backward
     q.grad = k.grad = v.grad = None
     return {**measure_peak(step, case.device), "process": "fresh"}
 
