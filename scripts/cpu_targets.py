@@ -59,7 +59,8 @@ def main(run_dir: Path) -> None:
         wall = sum(r.get("wall_s") or 0 for r in pairs)
         check = sum(r.get("check_s") or 0 for r in pairs)
         memory = sum(r.get("memory_s") or 0 for r in pairs)
-        name = f"{p['pattern']} N={p['seq_len']} {p['dtype']} H{p['heads']}/{p.get('kv_heads') or p['heads']}"
+        shape = f"p={p['density']}" if p["pattern"] == "block_random" else f"W={p['window']}"
+        name = f"{p['pattern']} {shape} N={p['seq_len']} {p['dtype']} H{p['heads']}/{p.get('kv_heads') or p['heads']}"
         print(f"| {name} | {wall:.1f} | {check:.2f} | {check / wall:.1%} | {memory:.1f} |")
 
 
