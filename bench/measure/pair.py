@@ -230,7 +230,7 @@ class PairSession:
     def _memory(self) -> dict[str, Any]:
         assert self.step is not None
         note = None
-        if self.fresh is not None and self.case.device == "cpu":
+        if self.fresh is not None and self.case.device == "cpu" and self.task.measure.memory == "fresh":
             fresh = self.fresh(self.task)
             if "answer" in fresh:
                 return fresh["answer"]
@@ -253,8 +253,8 @@ class PairSession:
 def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:
     """The task's memory figure (PairSession.memory's) measured in this process as its only case: pattern,
     inputs, prepare and the first call (plans, buffers and compiled code made; in fwd_bwd one more step, so that
-    the backward has run once too), then the measured call, every large allocation mapped afresh from the start (`track_allocations`). Run in a fresh
-    process (bench.run.forkserver); raises what the implementation raises."""
+    the backward has run once too), then the measured call, every large allocation mapped afresh from the start
+    (`track_allocations`). Run in a fresh process (bench.run.forkserver); raises what the implementation raises."""
     task = Task.model_validate(task_json)
     case = Case(**task.case)
     if case.device == "cpu":

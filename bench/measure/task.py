@@ -6,7 +6,7 @@ resolved, the parameters as the suite wrote them (the record's `params`), the im
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -28,6 +28,7 @@ class MeasureSettings(BaseModel):
     timeout_s: float = 300.0
     check: bool = True
     calibrate: bool = False
+    memory: Literal["fresh", "worker"] = "fresh"  # where CPU memory is read (bench.run.forkserver)
     calibration: Calibration | None = None
 
 

@@ -81,6 +81,9 @@ class Measure(BaseModel):
     timeout_s: Annotated[StrictFloat, Field(gt=0, le=604_800)] = 300.0
     check: StrictBool = True
     calibrate: StrictBool = False  # measure this machine's matmul rates at the start of the run (bench.run.calibration)
+    # CPU memory: in a fresh process per pair (no earlier case moves it; costs the pair's setup again), or in the
+    # worker after its timing (cheap; the figure may move with what earlier cases left on the heap)
+    memory: Literal["fresh", "worker"] = "fresh"
 
 
 class SweepBlock(BaseModel):
