@@ -37,6 +37,7 @@ from bench.measure.memory_model import does_not_fit
 from bench.measure.nvml import device_monitor
 from bench.measure.steps import (
     Phase,
+    call_inputs,
     describe_failure,
     is_out_of_memory,
     make_inputs,
@@ -46,7 +47,6 @@ from bench.measure.steps import (
     release_memory,
     skip_reason,
     timed_step,
-    upstream_grad,
 )
 from bench.measure.task import Task
 from bench.measure.timing import Timer, measure, summarize, timer_for
@@ -143,8 +143,7 @@ class PairSession:
             self.phase(self.current)
             if cache.inputs is None:
                 cache.inputs = make_inputs(case)
-            q, k, v = (t.detach().requires_grad_(case.mode == "fwd_bwd") for t in cache.inputs)
-            grad_out = upstream_grad(case) if case.mode == "fwd_bwd" else None
+            q, k, v, grad_out = call_inputs(case, cache.inputs)
             self.current = "prepare"
             prepared = prepare_call(impl, case, pattern, q, k, v, self._phase)
         except Unavailable as exc:
@@ -261,8 +260,7 @@ def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:
         track_allocations()  # no large free chunk on the heap for the measured call to reuse
     impl = registry.get(task.impl)
     pattern = case.make_pattern()
-    q, k, v = (t.detach().requires_grad_(case.mode == "fwd_bwd") for t in make_inputs(case))
-    grad_out = upstream_grad(case) if case.mode == "fwd_bwd" else None
+    q, k, v, grad_out = call_inputs(case)
     prepared = prepare_call(impl, case, pattern, q, k, v)
     step = timed_step(prepared.fn, q, k, v, grad_out)
     del prepared

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput, Unavailable
-from bench.measure.steps import make_inputs, prepare_call, skip_reason, timed_step, upstream_grad
+from bench.measure.steps import call_inputs, prepare_call, skip_reason, timed_step
 from bench.spec.case import Case, resolve_device
 from bench.spec.suite import load_suite
 
@@ -85,8 +85,7 @@ def profile_command(suite_path: Path, impl_name: str, index: int, out: Path | No
     out = out or default_output(suite_name, case, impl_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     pattern = case.make_pattern()
-    q, k, v = (t.requires_grad_(case.mode == "fwd_bwd") for t in make_inputs(case))
-    grad_out = upstream_grad(case) if case.mode == "fwd_bwd" else None
+    q, k, v, grad_out = call_inputs(case)
     sync = torch.cuda.synchronize if on_device else (lambda: None)
     t0 = time.perf_counter()
     try:

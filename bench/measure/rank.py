@@ -35,7 +35,7 @@ from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, row
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak
 from bench.measure.reference import tolerance_for
-from bench.measure.steps import describe_failure, make_inputs, policy_of, prepare_call, timed_step, upstream_grad
+from bench.measure.steps import call_inputs, describe_failure, policy_of, prepare_call, timed_step
 from bench.measure.task import Task
 from bench.measure.timing import CpuTimer, measure
 from bench.results.records import Record
@@ -78,8 +78,7 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
     try:
         enter("inputs")
         pattern = case.make_pattern()
-        q, k, v = (t.detach().requires_grad_(case.mode == "fwd_bwd") for t in make_inputs(case))
-        grad_out = upstream_grad(case) if case.mode == "fwd_bwd" else None
+        q, k, v, grad_out = call_inputs(case)
         with use(comm):
             enter("prepare")
             prepared = prepare_call(impl, case, pattern, q, k, v, enter)

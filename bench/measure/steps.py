@@ -56,6 +56,15 @@ def upstream_grad(case: Case) -> Tensor:
     return make_inputs(case, salt=7)[0]
 
 
+def call_inputs(case: Case, inputs: tuple[Tensor, Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(q, k, v, grad_out) for one pair: the seeded inputs (or `inputs`, shared by a case's pairs) as leaves of
+    their own, requiring grad in fwd_bwd, and the upstream gradient there (None in fwd)."""
+    backward = case.mode == "fwd_bwd"
+    q, k, v = (t.detach().requires_grad_(backward) for t in inputs or make_inputs(case))
+    return q, k, v, upstream_grad(case) if backward else None
+
+
 def sync_device(device: str) -> None:
     """Wait for the device's queued work (a no-op on CPU), so that a clock read after it is honest."""
     if device.startswith("cuda"):

@@ -13,10 +13,8 @@ accumulation inside), the softmax statistics and the key-gradient sums in float3
 
 from __future__ import annotations
 
-import torch
-
 from bench.registry import Impl, register, setup_phase
-from impls.blocked.attention import blocked_attention, fused_attention
+from impls.blocked.attention import blocked_attention
 from impls.blocked.fused import FUSED_ROWS, fused_available
 from impls.blocked.plan import BandPlan, make_plan
 from impls.common import softmax_scale
@@ -52,9 +50,7 @@ class Blocked(Impl):
             # (B, Hkv, N, D) -> (B*Hkv, N, D); views, products in the inputs' dtype
             grouped = q.reshape(b * hkv, group, nq, d)
             keys, values = (t.reshape(b * hkv, n, d) for t in (k, v))
-            if fused is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-                return fused_attention(fused, grouped, keys, values).reshape(q.shape)
-            return blocked_attention(plan, grouped, keys, values).reshape(q.shape)
+            return blocked_attention(plan, grouped, keys, values, fused).reshape(q.shape)
 
         return call
 

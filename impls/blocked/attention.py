@@ -37,23 +37,20 @@ class BlockedAttention(torch.autograd.Function):
         return (*grads, None)
 
 
-def blocked_attention(plan: BandPlan | GatherPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def blocked_attention(plan: BandPlan | GatherPlan, q: Tensor, k: Tensor, v: Tensor,
+                      fused: BandPlan | None = None) -> Tensor:
     """q (B*Hkv, G, q_len, D), k, v (B*Hkv, N, D) -> (B*Hkv, G, q_len, D) in k's dtype: query head g of KV
     head h reads h's keys. The products run in k's dtype (float64, float32, bfloat16 or float16; q is
     converted to it step by step where it differs), low-precision softmax and key gradients in float32.
-    Rows without an allowed key are zero."""
+    Without autograd and with a `fused` band plan, through the fused kernel (`fused`) instead. Rows without an
+    allowed key are zero."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = BlockedAttention.apply(q, k, v, plan)
+    elif fused is not None:
+        plan = fused
+        out = band_fused(fused, q, k, v)[:, :, : q.shape[2]]
     else:
         out = _forward(plan, q, k, v, keep=False)[0][:, :, : q.shape[2]]
-    if plan.empty_rows is not None:
-        out = out.masked_fill(plan.empty_rows[:, None], 0.0)
-    return out
-
-
-def fused_attention(plan: BandPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """`blocked_attention` without autograd through the fused kernel (`fused`), on a band plan."""
-    out = band_fused(plan, q, k, v)[:, :, : q.shape[2]]
     if plan.empty_rows is not None:
         out = out.masked_fill(plan.empty_rows[:, None], 0.0)
     return out
