@@ -9,6 +9,9 @@ never grows as N^2: the forward holds one step's scores per thread besides its o
 (an autograd.Function walking the same steps) the saved probabilities of the allowed blocks. bfloat16 and
 float16 inputs are computed in their own dtype: the products on the low-precision GEMMs (float32
 accumulation inside), the softmax statistics and the key-gradient sums in float32 (`compute`, `backward`).
+Inference on CPU goes through a C++ kernel over the pattern's block table where it is measured fastest
+(`kernel`: gather plans, and wide float32 bands), through torch's fused flash kernel on low-precision bands
+(`fused`), else through the steps above.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from __future__ import annotations
 from bench.registry import Impl, register, setup_phase
 from impls.blocked.attention import blocked_attention
 from impls.blocked.fused import FUSED_ROWS, fused_available
-from impls.blocked.plan import BandPlan, make_plan
+from impls.blocked.kernel import BlockTable, block_table, kernel_attention, kernel_wanted, unavailable_reason
+from impls.blocked.plan import BandPlan, GatherPlan, make_plan
 from impls.common import softmax_scale
 
 
@@ -31,25 +35,38 @@ class Blocked(Impl):
         hkv, n = k.shape[1], k.shape[2]
         group = h // hkv
         scale = softmax_scale(case.head_dim)
+        self._kernel_missing: str | None = None
         with setup_phase("mask"):  # the plan: which keys each step reads, and its masks
             plan = make_plan(pattern, case.block_size, b * hkv, group, scale, q.device, q.dtype)
-            fused = None  # inference in low precision on a band: the fused kernel's plan, of FUSED_ROWS rows
-            if case.mode == "fwd" and isinstance(plan, BandPlan) and fused_available(q):
+        table = None  # inference through the CPU kernel (`kernel`): the pattern's block table
+        if case.mode == "fwd" and kernel_wanted(plan, q.dtype, q.device):
+            with setup_phase("compile"):  # built on first use on this machine, then loaded from its cache
+                self._kernel_missing = unavailable_reason(q, case.block_size)
+            if self._kernel_missing is None:
+                with setup_phase("mask"):
+                    table = block_table(pattern, case.block_size)
+        fused = None  # inference in low precision on a band: the fused kernel's plan, of FUSED_ROWS rows
+        if table is None and case.mode == "fwd" and isinstance(plan, BandPlan) and fused_available(q):
+            with setup_phase("mask"):
                 wide = plan if plan.rows >= FUSED_ROWS else \
                     make_plan(pattern, FUSED_ROWS, b * hkv, group, scale, q.device, q.dtype)
-                fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan better
+            fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan better
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
-        shown = plan if fused is None else fused
-        self._extras = {"path": plan.path if fused is None else "band_fused", "block_size": case.block_size,
-                        "query_block_rows": shown.rows, "group_size": group,
-                        "computed_pairs_per_head": shown.computed_pairs,
+        shown: BandPlan | GatherPlan | BlockTable = table if table is not None else fused if fused is not None else plan
+        self._extras = {"path": "band_fused" if shown is fused else shown.path, "block_size": case.block_size,
+                        "query_block_rows": case.block_size if shown is table else shown.rows,
+                        "group_size": group, "computed_pairs_per_head": shown.computed_pairs,
                         "computed_over_allowed": shown.computed_pairs / max(1, pattern.nnz)}
+        if table is None and self._kernel_missing is not None:
+            self._extras["kernel_unavailable"] = self._kernel_missing
 
         def call():
             # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together, and
             # (B, Hkv, N, D) -> (B*Hkv, N, D); views, products in the inputs' dtype
             grouped = q.reshape(b * hkv, group, nq, d)
             keys, values = (t.reshape(b * hkv, n, d) for t in (k, v))
+            if table is not None:
+                return kernel_attention(table, grouped, keys, values, scale).reshape(q.shape)
             return blocked_attention(plan, grouped, keys, values, fused).reshape(q.shape)
 
         return call

@@ -25,6 +25,7 @@ from impls.blocked.compute import (
     _key_blocks,
     _pieces_of,
     _put_band_rows,
+    _put_gathered_rows,
     _query_blocks,
     _window_segments,
     packed,
@@ -126,7 +127,7 @@ def gather_backward(plan: GatherPlan, q: Tensor, k: Tensor, v: Tensor, out: Tens
         if s.keys == 0:
             with in_order.turn(i):  # nothing to add: pass the turn on
                 return
-        r, hg = len(s.rows), h1 - h0
+        hg = h1 - h0
         try:
             d_o, o, qq = (_batched(_gather_rows(x5, h0, h1, s.rows, cd), s, hg) for x5 in (d_o5, out5, q5))
             dq, dk, dv = _grads_of_step(probs[i], d_o, o, qq, _gathered(kb, s, h0, h1), _gathered(vb, s, h0, h1),
@@ -134,7 +135,7 @@ def gather_backward(plan: GatherPlan, q: Tensor, k: Tensor, v: Tensor, out: Tens
         except BaseException:
             with in_order.turn(i):  # pass the turn on, then fail
                 raise
-        d_q5[h0:h1].index_copy_(2, s.rows, dq.view(hg, r, g, rb, d).transpose(1, 2).to(d_q.dtype))
+        _put_gathered_rows(d_q5, h0, h1, s.rows, dq)
         key_rows = _key_rows(s, h0, h1, n, bs)
         with in_order.turn(i):  # key blocks are shared between query blocks
             d_k.index_add_(0, key_rows, dk.reshape(-1, d).to(acc))

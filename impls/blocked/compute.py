@@ -76,10 +76,29 @@ def _put_band_rows(x5: Tensor, h: int, r0: int, r1: int, rows: Tensor) -> None:
     x5[h].transpose(0, 1)[r0:r1].copy_(rows.view(r1 - r0, g, rb, d))
 
 
+def _block_index(x5: Tensor, h0: int, h1: int, blocks: Tensor) -> Tensor:
+    """Rows of x5 (BHkv, G, nb, rb, D) seen as (BHkv*G*nb, rb*D) holding query blocks `blocks` (R,) of KV heads
+    h0..h1, in (KV head, block, query head) order: the layout of a step's rows."""
+    _, g, nb, _, _ = x5.shape
+    heads = torch.arange(h0, h1, device=blocks.device).view(-1, 1, 1) * g
+    return ((heads + torch.arange(g, device=blocks.device).view(1, 1, -1)) * nb + blocks.view(1, -1, 1)).flatten()
+
+
 def _gather_rows(x5: Tensor, h0: int, h1: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
-    """Query blocks `blocks` (R,) of KV heads h0..h1, each with its G query heads' rows: (hg*R, G*rb, D)."""
+    """Query blocks `blocks` (R,) of KV heads h0..h1, each with its G query heads' rows: (hg*R, G*rb, D).
+
+    One index_select of whole blocks (a row copy each): advanced indexing of the 5-d view copied element by
+    element, 4-6x slower (float32 and bfloat16, one core)."""
     _, g, _, rb, d = x5.shape
-    return x5[h0:h1].transpose(1, 2)[:, blocks].to(dtype).view((h1 - h0) * len(blocks), g * rb, d)
+    rows = torch.index_select(x5.reshape(-1, rb * d), 0, _block_index(x5, h0, h1, blocks))
+    return rows.to(dtype).view((h1 - h0) * len(blocks), g * rb, d)
+
+
+def _put_gathered_rows(x5: Tensor, h0: int, h1: int, blocks: Tensor, rows: Tensor) -> None:
+    """The inverse of `_gather_rows`: x5's blocks `blocks` of KV heads h0..h1 = rows (hg*R or hg, ..., D), laid
+    out as `_gather_rows` returns them. x5 must be contiguous (the output and gradient buffers are)."""
+    _, _, _, rb, d = x5.shape
+    x5.view(-1, rb * d).index_copy_(0, _block_index(x5, h0, h1, blocks), rows.reshape(-1, rb * d).to(x5.dtype))
 
 
 class Scratch:
@@ -251,7 +270,9 @@ def _gathered(blocks: Tensor, s: GatherStep, h0: int, h1: int) -> Tensor:
     if s.run_start is not None:
         c = s.kv.shape[1]
         return blocks[h0:h1, s.run_start : s.run_start + c].reshape(h1 - h0, s.keys, blocks.shape[-1])
-    return blocks[h0:h1][:, s.kv].reshape((h1 - h0) * len(s.rows), s.keys, blocks.shape[-1])
+    nkb, bs, d = blocks.shape[1:]
+    index = (torch.arange(h0, h1, device=s.kv.device).view(-1, 1) * nkb + s.kv.view(1, -1)).flatten()
+    return torch.index_select(blocks.reshape(-1, bs * d), 0, index).view((h1 - h0) * len(s.rows), s.keys, d)
 
 
 def _batched(x: Tensor, s: GatherStep, hg: int) -> Tensor:
@@ -286,8 +307,8 @@ def gather_forward(plan: GatherPlan, q: Tensor, k: Tensor, v: Tensor, keep: bool
                          out=scratch.get("scores", (rows.shape[0], rows.shape[1], s.keys), k))
         _add_pieces(scores.view(hg, r, g, rb, s.keys), s.pieces, 0, r)
         probs = _softmax_(scores)
-        result = torch.bmm(probs, _gathered(vb, s, h0, h1)).view(hg, r, g, rb, d)
-        out5[h0:h1].index_copy_(2, s.rows, result.transpose(1, 2))
+        result = torch.bmm(probs, _gathered(vb, s, h0, h1))
+        _put_gathered_rows(out5, h0, h1, s.rows, result)
         return probs if keep else None  # (KV heads, blocks) are disjoint between units
 
     return out, run_steps([lambda u=u: unit(*u) for u in _gather_units(plan, bk)], q.device)

@@ -1,0 +1,258 @@
+// The CPU kernel of `blocked` for inference: attention over a block table, blocks read in place.
+//
+// For each (KV head, query block) task: the G query heads' rows of the block as one tile, then for each run
+// of up to CHUNK of its key blocks, S = Q K_j^T for each block (batch-reduce GEMMs from torch's CPU BLAS:
+// oneDNN ukernels, AMX tiles in bfloat16 and float16), scale and masks, an online softmax in float32 (row max,
+// exponentials and sums, the running output rescaled only when the max grows), then O += P V_j. Keys and
+// values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI pairs in 16-bit
+// dtypes), one pass over K and V; no key block is copied per query block, no score leaves the thread's
+// buffers. Rows without an allowed key come out zero.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::native::cpublas::brgemm;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t CHUNK = 8;  // key blocks per softmax pass: 512 columns at bs = 64
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+constexpr bool kVnni = !std::is_same_v<T, float>;
+
+// dst[i] = src[i] * scale over n floats.
+inline void scale_row(float* x, int64_t n, float scale) {
+  const Vec s(scale);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) * s).store(x + i);
+  for (; i < n; ++i) x[i] *= scale;
+}
+
+inline float max_row(const float* x, int64_t n) {
+  Vec m(NEG_INF);
+  int64_t i = 0;
+  // scores are never NaN here: the plain max instruction, not at::vec::maximum's NaN-propagating one
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + Vec::size() <= n; i += Vec::size()) m = Vec(_mm512_max_ps(m, Vec::loadu(x + i)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + Vec::size() <= n; i += Vec::size()) m = Vec(_mm256_max_ps(m, Vec::loadu(x + i)));
+#else
+  for (; i + Vec::size() <= n; i += Vec::size()) m = at::vec::maximum(m, Vec::loadu(x + i));
+#endif
+  float out = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
+  for (; i < n; ++i) out = std::max(out, x[i]);
+  return out;
+}
+
+// p[i] = exp(x[i] * scale - shift) (p: x itself in float32, else the 16-bit probabilities); returns their sum
+// (of the float values). shift is finite; exp_u20 is the approximation torch's own flash kernel uses.
+template <typename T>
+inline float exp_sum_row(float* x, T* p, int64_t n, float scale, float shift) {
+  const Vec s(scale), m(shift);
+  Vec acc(0.f);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      Vec e = at::vec::fmsub(Vec::loadu(x + i), s, m).exp_u20();
+      acc = acc + e;
+      e.store(p + i);
+    }
+  } else {  // two float vectors make one vector of 16-bit values
+    for (; i + 2 * Vec::size() <= n; i += 2 * Vec::size()) {
+      Vec e0 = at::vec::fmsub(Vec::loadu(x + i), s, m).exp_u20();
+      Vec e1 = at::vec::fmsub(Vec::loadu(x + i + Vec::size()), s, m).exp_u20();
+      acc = acc + e0 + e1;
+      at::vec::convert_from_float<T>(e0, e1).store(p + i);
+    }
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) {
+    const float e = std::exp(x[i] * scale - shift);
+    p[i] = static_cast<T>(e);
+    sum += e;
+  }
+  return sum;
+}
+
+template <typename T>
+inline void convert_row(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// B operands are stored in column chunks of at most NB columns, each a (K x nb) matrix of its own: oneDNN's
+// packing of 16-bit B matrices takes at most 64 columns (D = 128 failed to pack whole).
+constexpr int64_t NB = 64;
+
+// in (K x N, leading dim ld_in) -> out, chunk by chunk (VNNI pairs in 16-bit dtypes); out holds K * N.
+template <typename T>
+void pack_b(const T* in, int64_t K, int64_t N, int64_t ld_in, T* out, std::vector<T>& plain) {
+  const auto dt = c10::CppTypeToScalarType<T>::value;
+  for (int64_t n0 = 0; n0 < N; n0 += NB) {
+    const int64_t nb = std::min(NB, N - n0);
+    T* dst = out + K * n0;
+    T* staged = kVnni<T> ? plain.data() : dst;
+    for (int64_t x = 0; x < K; ++x) std::memcpy(staged + x * nb, in + x * ld_in + n0, nb * sizeof(T));
+    if constexpr (kVnni<T>) at::native::cpublas::pack(K, nb, nb, nb, dt, dt, staged, dst);
+  }
+}
+
+// C (M x N, ldc) (+)= A (M x K, lda) B, B as pack_b stored it.
+template <typename T>
+inline void gemm_b(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldc, bool add, const T* a, const T* b,
+                   float* c) {
+  for (int64_t n0 = 0; n0 < N; n0 += NB) {
+    const int64_t nb = std::min(NB, N - n0);
+    brgemm(M, nb, K, lda, nb, ldc, add, a, b + K * n0, c + n0, kVnni<T>);
+  }
+}
+
+// K and V of every (head, key block) as the B operands of the two products, zero padded past N:
+// K_j^T (D x bs) and V_j (bs x D).
+template <typename T>
+void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, int64_t bs, T* kp, T* vp) {
+  const int64_t nkb = (n + bs - 1) / bs;
+  at::parallel_for(0, heads * nkb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> kt(d * bs), vb(bs * d), plain(std::max(d, bs) * NB);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / nkb, j = task % nkb;
+      const int64_t valid = std::min(bs, n - j * bs);
+      const T* kj = k + (h * n + j * bs) * d;
+      const T* vj = v + (h * n + j * bs) * d;
+      for (int64_t x = 0; x < d; ++x)
+        for (int64_t t = 0; t < bs; ++t) kt[x * bs + t] = t < valid ? kj[t * d + x] : T(0);
+      std::memcpy(vb.data(), vj, valid * d * sizeof(T));
+      std::fill(vb.begin() + valid * d, vb.end(), T(0));
+      pack_b(kt.data(), d, bs, bs, kp + task * d * bs, plain);
+      pack_b(vb.data(), bs, d, d, vp + task * bs * d, plain);
+    }
+  });
+}
+
+template <typename T>
+void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
+            int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
+            const int32_t* mask_slot, const bool* masks, float scale) {
+  const int64_t nqb = (nq + bs - 1) / bs, nkb = (n + bs - 1) / bs;
+  const int64_t width = CHUNK * bs;
+  at::parallel_for(0, heads * nqb, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_m = g * bs;
+    std::vector<T> qt(max_m * d), pt(kVnni<T> ? max_m * width : 0);
+    std::vector<float> s(max_m * width), o(max_m * d), m(max_m), l(max_m);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / nqb, r = task % nqb;
+      const int64_t rows = std::min(bs, nq - r * bs), mm = g * rows;
+      for (int64_t gi = 0; gi < g; ++gi)  // tile row gi * rows + t = query head gi's row r*bs + t
+        std::memcpy(qt.data() + gi * rows * d, q + ((h * g + gi) * nq + r * bs) * d, rows * d * sizeof(T));
+      std::fill(o.begin(), o.begin() + mm * d, 0.f);
+      std::fill(m.begin(), m.begin() + mm, NEG_INF);
+      std::fill(l.begin(), l.begin() + mm, 0.f);
+      const int64_t count = kv_count[r];
+      for (int64_t c0 = 0; c0 < count; c0 += CHUNK) {
+        const int64_t nc = std::min(CHUNK, count - c0), cols = nc * bs;
+        for (int64_t c = 0; c < nc; ++c) {
+          const int64_t j = kv_index[r * max_kv + c0 + c];
+          gemm_b(mm, bs, d, d, width, false, qt.data(), kp + (h * nkb + j) * d * bs, s.data() + c * bs);
+        }
+        for (int64_t i = 0; i < mm; ++i) {
+          float* row = s.data() + i * width;
+          const int64_t t = i % rows;
+          for (int64_t c = 0; c < nc; ++c) {
+            const int64_t slot = mask_slot[r * max_kv + c0 + c];
+            const int64_t j = kv_index[r * max_kv + c0 + c];
+            const int64_t valid = std::min(bs, n - j * bs);
+            float* block = row + c * bs;
+            if (slot >= 0) {
+              const bool* allowed = masks + (slot * bs + t) * bs;
+              for (int64_t x = 0; x < bs; ++x)
+                if (!allowed[x]) block[x] = NEG_INF;
+            }
+            for (int64_t x = valid; x < bs; ++x) block[x] = NEG_INF;
+          }
+          // raw scores: scale > 0, so the row's max of scale * s is scale * max(s)
+          const float mx = std::max(m[i], max_row(row, cols) * scale);
+          T* probs = kVnni<T> ? pt.data() + i * width : reinterpret_cast<T*>(row);
+          if (mx == NEG_INF) {  // nothing allowed yet: P = 0
+            std::fill(probs, probs + cols, T(0));
+          } else {
+            const float sum = exp_sum_row(row, probs, cols, scale, mx);
+            const float alpha = m[i] == NEG_INF ? 0.f : std::exp(m[i] - mx);
+            if (alpha != 1.f && c0 > 0) scale_row(o.data() + i * d, d, alpha);
+            l[i] = l[i] * alpha + sum;
+            m[i] = mx;
+          }
+        }
+        const T* p = kVnni<T> ? pt.data() : reinterpret_cast<const T*>(s.data());
+        for (int64_t c = 0; c < nc; ++c) {
+          const int64_t j = kv_index[r * max_kv + c0 + c];
+          gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (h * nkb + j) * bs * d, o.data());
+        }
+      }
+      for (int64_t i = 0; i < mm; ++i) {
+        const int64_t gi = i / rows, t = i % rows;
+        float* row = o.data() + i * d;
+        scale_row(row, d, l[i] > 0.f ? 1.f / l[i] : 0.f);
+        convert_row(row, out + ((h * g + gi) * nq + r * bs + t) * d, d);
+      }
+    }
+    at::native::cpublas::brgemm_release(kVnni<T>);
+  });
+}
+
+// q (H, G, Nq, D), k, v (H, N, D), all contiguous in one dtype; the block table of the pattern's block-sparse
+// view: kv_index, mask_slot int32 (nqb, max_kv) (mask_slot -1: a full block), kv_count int32 (nqb,), masks
+// bool (P, bs, bs). Returns (H, G, Nq, D).
+torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& kv_index, const torch::Tensor& kv_count,
+                              const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
+                              int64_t bs) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "q (H, G, Nq, D), k and v (H, N, D)");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
+  TORCH_CHECK(kv_index.scalar_type() == at::kInt && kv_count.scalar_type() == at::kInt &&
+              mask_slot.scalar_type() == at::kInt && masks.scalar_type() == at::kBool, "table dtypes");
+  const int64_t heads = q.size(0), g = q.size(1), nq = q.size(2), d = q.size(3), n = k.size(1);
+  TORCH_CHECK(k.size(0) == heads && k.size(2) == d, "k (H, N, D) matching q");
+  const int64_t nkb = (n + bs - 1) / bs, max_kv = kv_index.size(1);
+  TORCH_CHECK(kv_count.numel() == (nq + bs - 1) / bs, "one table row per query block");
+  auto out = torch::empty_like(q);
+  auto kp = torch::empty({heads * nkb * d * bs}, k.options());
+  auto vp = torch::empty({heads * nkb * bs * d}, k.options());
+  auto table = [&](auto tag) {
+    using T = decltype(tag);
+    pack_blocks<T>(k.data_ptr<T>(), v.data_ptr<T>(), heads, n, d, bs, kp.data_ptr<T>(), vp.data_ptr<T>());
+    attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq, n, d, bs,
+              kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv, mask_slot.data_ptr<int32_t>(),
+              masks.data_ptr<bool>(), static_cast<float>(scale));
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: table(float{}); break;
+    case at::kBFloat16: table(at::BFloat16{}); break;
+    case at::kHalf: table(at::Half{}); break;
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_attention", &block_attention, "attention over a block table (inference, CPU)");
+  m.def("packs", [](py::object dtype) {
+    const auto dt = torch::python::detail::py_object_to_dtype(dtype);
+    return dt == at::kFloat || at::native::cpublas::could_pack(dt);
+  }, "whether the batch-reduce GEMM takes operands of this dtype (16-bit ones VNNI-packed)");
+}

@@ -1,0 +1,112 @@
+"""The CPU kernel of `blocked` (impls/blocked/kernel.cpp): inference in float32 and bfloat16 over the pattern's
+block table, against the float64 oracle on the shapes it takes (gather patterns, wide float32 bands, packed
+documents, grouped-query attention at head_dim 128, decode and chunked prefill, N not a multiple of the block,
+other block sizes, rows without an allowed key), and the fallback to the torch-op paths, with its reason, where
+it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import impls.blocked.kernel as kernel
+from bench import registry
+from bench.api import case_for
+from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.patterns import make_pattern
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# (pattern, seq_len, fields, heads, kv_heads, head_dim)
+CASES = [
+    ("block_random", 640, dict(density=0.2, seed=3, block_size=64), 2, 2, 64),
+    ("block_random", 300, dict(density=0.3, seed=1, block_size=64), 2, 1, 64),  # N % bs != 0, GQA
+    ("causal_local", 2048, dict(window=1024, block_size=64), 2, 2, 64),  # a wide band: the kernel in float32
+    ("local", 512, dict(window=64, block_size=64, documents=3), 2, 2, 64),  # windows cut by documents
+    ("causal", 300, dict(q_len=40, block_size=64), 8, 2, 128),  # chunked prefill, 4 query heads per KV head
+    ("causal", 257, dict(q_len=1, block_size=64), 4, 4, 64),  # decode: one query row
+    ("block_random", 512, dict(density=0.3, seed=2, block_size=32), 2, 2, 32),
+    ("block_random", 512, dict(density=0.3, seed=2, block_size=128), 2, 2, 64),
+    ("dilated", 384, dict(window=96, dilation=3, block_size=64), 2, 2, 64),  # partial blocks with holes
+]
+
+
+def _inputs(pattern, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, pattern.q_len, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(1, kv_heads, pattern.seq_len, head_dim, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _inference(pattern, q, k, v) -> tuple[torch.Tensor, dict]:
+    impl = registry.get("blocked")
+    with torch.no_grad():
+        out = impl.prepare(case_for(q, pattern, "fwd", k), pattern, q, k, v)()
+    return out, impl.record_extras()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name, n, fields, heads, kv_heads, head_dim", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_kernel_matches_the_oracle(name, n, fields, heads, kv_heads, head_dim, dtype):
+    pattern = make_pattern(name, n, **fields)
+    q, k, v = _inputs(pattern, heads, kv_heads, head_dim, DTYPES[dtype])
+    out, extras = _inference(pattern, q, k, v)
+    wanted = extras["path"] == "kernel" or (dtype == "bfloat16" and extras["path"] == "band_fused") \
+        or (dtype == "float32" and extras["path"] == "band")
+    assert wanted and "kernel_unavailable" not in extras, extras
+    if name == "block_random" or (name == "causal_local" and dtype == "float32"):
+        assert extras["path"] == "kernel"  # gather plans, and float32 bands of >= 1024 keys per block
+    assert out.dtype == DTYPES[dtype] and out.shape == q.shape
+    stats = compare(out, reference_attention(q.double(), k.double(), v.double(), pattern), tolerance_for(dtype))
+    assert stats.nonfinite == 0 and stats.passed, f"{name} {dtype}: rel_l2 {stats.rel_l2}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_kernel_gives_zero_rows_where_no_key_is_allowed(dtype):
+    pattern = make_pattern("block_random", 256, density=0.5, seed=0, block_size=64)
+    table = kernel.block_table(pattern, 64)
+    emptied = kernel.BlockTable(64, table.kv_index, table.kv_count.clone(), table.mask_slot, table.masks)
+    emptied.kv_count[1] = 0  # query block 1 sees nothing
+    q, k, v = _inputs(pattern, 2, 2, 64, DTYPES[dtype])
+    assert kernel.unavailable_reason(q, 64) is None
+    grouped = q[0][:, None]  # (Hkv, G=1, q_len, D)
+    out = kernel.kernel_attention(emptied, grouped, k[0], v[0], 0.125)
+    full = kernel.kernel_attention(table, grouped, k[0], v[0], 0.125)
+    assert torch.count_nonzero(out[:, :, 64:128]) == 0
+    assert torch.equal(out[:, :, :64], full[:, :, :64]) and torch.equal(out[:, :, 128:], full[:, :, 128:])
+
+
+def test_kernel_unavailable_falls_back_to_the_torch_ops_and_says_why(monkeypatch):
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_unavailable", "the CPU kernel could not be built (no compiler)")
+    pattern = make_pattern("block_random", 320, density=0.3, seed=0, block_size=64)
+    q, k, v = _inputs(pattern, 2, 2, 64, torch.float32)
+    out, extras = _inference(pattern, q, k, v)
+    assert extras["path"] == "gather"
+    assert extras["kernel_unavailable"] == "the CPU kernel could not be built (no compiler)"
+    stats = compare(out, reference_attention(q.double(), k.double(), v.double(), pattern), tolerance_for("float32"))
+    assert stats.passed
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch):
+    def fail():
+        raise RuntimeError("Error building extension: c++ not found")
+
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_unavailable", None)
+    monkeypatch.setattr(kernel, "_build", fail)
+    q = torch.zeros(1, 2, 128, 64)
+    assert kernel.kernel_module() is None
+    reason = kernel.unavailable_reason(q, 64)
+    assert reason is not None and "could not be built" in reason and "c++ not found" in reason
+
+
+@pytest.mark.parametrize("head_dim, block_size, dtype, words", [
+    (24, 64, torch.float32, "multiples of 16"),
+    (64, 24, torch.bfloat16, "multiples of 16"),
+    (64, 64, torch.float64, "float32 and bfloat16"),
+    (64, 64, torch.float16, "float32 and bfloat16"),
+])
+def test_shapes_and_dtypes_the_kernel_does_not_take_are_named(head_dim, block_size, dtype, words):
+    reason = kernel.unavailable_reason(torch.zeros(1, 2, 128, head_dim, dtype=dtype), block_size)
+    assert reason is not None and words in reason
