@@ -110,3 +110,22 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch):
 def test_shapes_and_dtypes_the_kernel_does_not_take_are_named(head_dim, block_size, dtype, words):
     reason = kernel.unavailable_reason(torch.zeros(1, 2, 128, head_dim, dtype=dtype), block_size)
     assert reason is not None and words in reason
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_strided_inputs_give_what_contiguous_ones_give(mode):
+    # q, k, v as views of a (B, N, H, D) layout (B=1: the grouped views stay strided): the gather steps read
+    # them through their strides instead of copying all of them per step; the kernel copies once per call
+    pattern = make_pattern("block_random", 320, density=0.3, seed=0, block_size=64)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 320, 4, 64, generator=gen).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    impl = registry.get("blocked")
+    results = []
+    for inputs in ((q, k, v), tuple(t.contiguous() for t in (q, k, v))):
+        leaves = [t.detach().requires_grad_(mode == "fwd_bwd") for t in inputs]
+        out = impl.prepare(case_for(leaves[0], pattern, mode, leaves[1]), pattern, *leaves)()
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out)) if mode == "fwd_bwd" else ()
+        results.append((out.detach(), *grads))
+    for strided, contiguous in zip(*results, strict=True):
+        torch.testing.assert_close(strided, contiguous, rtol=0, atol=0)

@@ -90,7 +90,9 @@ def _gather_rows(x5: Tensor, h0: int, h1: int, blocks: Tensor, dtype: torch.dtyp
     One index_select of whole blocks (a row copy each): advanced indexing of the 5-d view copied element by
     element, 4-6x slower (float32 and bfloat16, one core)."""
     _, g, _, rb, d = x5.shape
-    rows = torch.index_select(x5.reshape(-1, rb * d), 0, _block_index(x5, h0, h1, blocks))
+    if not x5.is_contiguous():  # a strided view of the caller's q: a reshape would copy all of it, every step
+        return x5[h0:h1].transpose(1, 2)[:, blocks].to(dtype).reshape((h1 - h0) * len(blocks), g * rb, d)
+    rows = torch.index_select(x5.view(-1, rb * d), 0, _block_index(x5, h0, h1, blocks))
     return rows.to(dtype).view((h1 - h0) * len(blocks), g * rb, d)
 
 
@@ -271,8 +273,10 @@ def _gathered(blocks: Tensor, s: GatherStep, h0: int, h1: int) -> Tensor:
         c = s.kv.shape[1]
         return blocks[h0:h1, s.run_start : s.run_start + c].reshape(h1 - h0, s.keys, blocks.shape[-1])
     nkb, bs, d = blocks.shape[1:]
+    if not blocks.is_contiguous():  # a strided view of the caller's K or V (see `_gather_rows`)
+        return blocks[h0:h1][:, s.kv].reshape((h1 - h0) * len(s.rows), s.keys, d)
     index = (torch.arange(h0, h1, device=s.kv.device).view(-1, 1) * nkb + s.kv.view(1, -1)).flatten()
-    return torch.index_select(blocks.reshape(-1, bs * d), 0, index).view((h1 - h0) * len(s.rows), s.keys, d)
+    return torch.index_select(blocks.view(-1, bs * d), 0, index).view((h1 - h0) * len(s.rows), s.keys, d)
 
 
 def _batched(x: Tensor, s: GatherStep, hg: int) -> Tensor:
