@@ -9,9 +9,9 @@ never grows as N^2: the forward holds one step's scores per thread besides its o
 (an autograd.Function walking the same steps) the saved probabilities of the allowed blocks. bfloat16 and
 float16 inputs are computed in their own dtype: the products on the low-precision GEMMs (float32
 accumulation inside), the softmax statistics and the key-gradient sums in float32 (`compute`, `backward`).
-Inference on CPU goes through a C++ kernel over the pattern's block table where it is measured fastest
-(`kernel`: gather plans, and wide float32 bands), through torch's fused flash kernel on low-precision bands
-(`fused`), else through the steps above.
+Inference on CPU in float32 and bfloat16 goes through a C++ kernel over the pattern's block table (`kernel`,
+measured fastest on every plan); where it cannot (float16, float64, shapes it does not take, no compiler),
+through torch's fused flash kernel on low-precision bands (`fused`), else through the steps above.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Blocked(Impl):
         with setup_phase("mask"):  # the plan: which keys each step reads, and its masks
             plan = make_plan(pattern, case.block_size, b * hkv, group, scale, q.device, q.dtype)
         table = None  # inference through the CPU kernel (`kernel`): the pattern's block table
-        if case.mode == "fwd" and kernel_wanted(plan, q.dtype, q.device):
+        if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
             with setup_phase("compile"):  # built on first use on this machine, then loaded from its cache
                 self._kernel_missing = unavailable_reason(q, case.block_size)
             if self._kernel_missing is None:

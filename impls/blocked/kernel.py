@@ -24,12 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from impls.blocked.plan import BandPlan, GatherPlan
-
 # float16: oneDNN's ukernel here takes it unpacked (pack() refuses: "No need to pack"), a layout not written yet.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# Band plans of float32 with at least this many keys per query block go to the kernel (`kernel_wanted`).
-KERNEL_MIN_BAND_SPAN = 1024
 # head_dim and block_size are multiples of this: oneDNN packs 16-bit B operands in whole 16-column groups
 # (head_dim 24 at block_size 16 failed to pack).
 SHAPE_MULTIPLE = 16
@@ -59,8 +55,10 @@ def _build() -> Any:
 
     isa = torch.backends.cpu.get_cpu_capability()
     flags = _ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
+    # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it the kernel ran on one thread.
+    # It links libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime).
     return load(name=f"blocked_cpu_kernel_{isa.lower()}", sources=[str(_SOURCE)],
-                extra_cflags=["-O3", *flags], verbose=False)
+                extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def kernel_module() -> Any:
@@ -75,21 +73,18 @@ def kernel_module() -> Any:
     return _module
 
 
-def kernel_wanted(plan: BandPlan | GatherPlan, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether inference on this plan goes to the kernel (where it is available), as measured fastest.
+def kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether inference goes to the kernel (where it is available and takes the shape): on CPU in float32 and
+    bfloat16, for every plan, as measured fastest.
 
-    Interleaved with compiled flex in one process (2-core Xeon with AMX, N=4096 and 8192, H=8, D=64, x flex):
-    gather plans (block_random p=0.1) bfloat16 1.30x against 0.50x for the torch-op gather, float32 1.57x
-    against 1.23x; a wide band in float32 (causal_local W=1024, span 1088 keys) 1.54-1.91x against
-    1.29-1.60x, a narrow one (local W=256, span 576) 1.05x against 1.52x; in bfloat16 the fused band path
-    stays ahead on bands (causal_local W=1024 1.00x against the kernel's 0.75x, local W=256 0.86x against
-    0.75x).
+    Interleaved with compiled flex in one process (2-core Xeon with AMX, 2 threads, B=1, N=4096, x flex's speed):
+    block_random p=0.1 H8 D64 bfloat16 1.33x against 0.51x for the torch-op gather steps, float32 2.56x against
+    1.47x; causal_local W=1024 bfloat16 1.50x against 1.11x for the fused band path, float32 2.10x against 1.48x
+    for the window steps; local W=256 bfloat16 1.11x against 0.97x, float32 2.09x against 1.68x; at 32 query
+    heads on 8 KV heads, D=128, bfloat16: local W=256 1.05x against 0.76x, causal_local W=1024 1.20x against
+    0.89x. float32 local W=256 at N=16384: 1.65x against 1.67x (alike).
     """
-    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
-        return False
-    if isinstance(plan, GatherPlan):
-        return True
-    return dtype == torch.float32 and plan.span >= KERNEL_MIN_BAND_SPAN
+    return device.type == "cpu" and dtype in KERNEL_DTYPES
 
 
 def unavailable_reason(q: Tensor, block_size: int) -> str | None:
