@@ -9,8 +9,9 @@ float32 between them, scores kept in the thread's buffers.
 
 It is compiled with torch's C++ extension builder (a C++ compiler and ninja; about a minute, once per machine:
 the build is cached under the torch extensions directory, keyed by the source and the CPU's vector ISA).
-Where it cannot be built or the CPU BLAS cannot pack 16-bit operands, `blocked` keeps its torch-op paths and
-says why in its record (`kernel`).
+Where it cannot be built, the CPU BLAS cannot pack 16-bit operands, or the case is one it does not take
+(`unavailable_reason`), `blocked` keeps its torch-op paths and says why in its record
+(`config.kernel_unavailable`).
 """
 
 from __future__ import annotations
