@@ -183,15 +183,15 @@ def test_in_order_admits_steps_in_index_order_and_passes_failed_turns_on():
     assert seen == [0, 1, 3, 4] and len(errors) == 1
 
 
-def _blocked_extras(pattern, heads: int = 2, kv_heads: int = 1, mode: str = "fwd_bwd") -> dict:
-    """The plan `blocked` reports; in fwd_bwd by default (in fwd, inference may go to its CPU kernel)."""
+def _blocked_extras(pattern, heads: int = 2, kv_heads: int = 1) -> dict:
+    """The plan `blocked` reports, in fwd_bwd (in fwd, inference may go to its CPU kernel instead)."""
     from bench import registry
     from bench.api import case_for
 
     q = torch.zeros(1, heads, pattern.q_len, 8)
     k = v = torch.zeros(1, kv_heads, pattern.seq_len, 8)
     impl = registry.get("blocked")
-    impl.prepare(case_for(q, pattern, mode, k=k), pattern, q, k, v)
+    impl.prepare(case_for(q, pattern, "fwd_bwd", k=k), pattern, q, k, v)
     return impl.record_extras()
 
 

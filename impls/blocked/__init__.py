@@ -35,30 +35,31 @@ class Blocked(Impl):
         hkv, n = k.shape[1], k.shape[2]
         group = h // hkv
         scale = softmax_scale(case.head_dim)
-        self._kernel_missing: str | None = None
-        with setup_phase("mask"):  # the plan: which keys each step reads, and its masks
-            plan = make_plan(pattern, case.block_size, b * hkv, group, scale, q.device, q.dtype)
-        table = None  # inference through the CPU kernel (`kernel`): the pattern's block table
+        table: BlockTable | None = None  # inference through the CPU kernel (`kernel`): the pattern's block table
+        kernel_missing: str | None = None  # why the kernel, wanted, cannot run
         if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
             with setup_phase("compile"):  # built on first use on this machine, then loaded from its cache
-                self._kernel_missing = unavailable_reason(q, case.block_size)
-            if self._kernel_missing is None:
+                kernel_missing = unavailable_reason(q, case.block_size)
+            if kernel_missing is None:
                 with setup_phase("mask"):
                     table = block_table(pattern, case.block_size)
+        plan: BandPlan | GatherPlan | None = None  # the torch-op steps, where the kernel does not run
         fused = None  # inference in low precision on a band: the fused kernel's plan, of FUSED_ROWS rows
-        if table is None and case.mode == "fwd" and isinstance(plan, BandPlan) and fused_available(q):
-            with setup_phase("mask"):
-                wide = plan if plan.rows >= FUSED_ROWS else \
-                    make_plan(pattern, FUSED_ROWS, b * hkv, group, scale, q.device, q.dtype)
-            fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan better
+        if table is None:
+            with setup_phase("mask"):  # the plan: which keys each step reads, and its masks
+                plan = make_plan(pattern, case.block_size, b * hkv, group, scale, q.device, q.dtype)
+                if case.mode == "fwd" and isinstance(plan, BandPlan) and fused_available(q):
+                    wide = plan if plan.rows >= FUSED_ROWS else \
+                        make_plan(pattern, FUSED_ROWS, b * hkv, group, scale, q.device, q.dtype)
+                    fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
-        shown: BandPlan | GatherPlan | BlockTable = table if table is not None else fused if fused is not None else plan
+        shown = table if table is not None else fused if fused is not None else plan
         self._extras = {"path": "band_fused" if shown is fused else shown.path, "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
                         "group_size": group, "computed_pairs_per_head": shown.computed_pairs,
                         "computed_over_allowed": shown.computed_pairs / max(1, pattern.nnz)}
-        if table is None and self._kernel_missing is not None:
-            self._extras["kernel_unavailable"] = self._kernel_missing
+        if kernel_missing is not None:
+            self._extras["kernel_unavailable"] = kernel_missing
 
         def call():
             # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together, and
