@@ -2,11 +2,11 @@
 //
 // For each (KV head, query block) task: the G query heads' rows of the block as one tile, then for each run
 // of up to CHUNK of its key blocks, S = Q K_j^T for each block (batch-reduce GEMMs from torch's CPU BLAS:
-// oneDNN ukernels, AMX tiles in bfloat16 and float16), scale and masks, an online softmax in float32 (row max,
-// exponentials and sums, the running output rescaled only when the max grows), then O += P V_j. Keys and
-// values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI pairs in 16-bit
-// dtypes), one pass over K and V; no key block is copied per query block, no score leaves the thread's
-// buffers. Rows without an allowed key come out zero.
+// oneDNN ukernels, AMX tiles or AVX512-BF16 dot products in bfloat16), scale and masks, an online softmax in
+// float32 (row max, exponentials and sums, the running output rescaled only when the max grows), then
+// O += P V_j. Keys and values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI
+// pairs in 16-bit dtypes), one pass over K and V; no key block is copied per query block, no score leaves the
+// thread's buffers. Rows without an allowed key come out zero.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -98,12 +98,24 @@ inline void convert_row(const float* src, T* dst, int64_t n) {
 constexpr int64_t NB = 64;
 
 // in (K x N, leading dim ld_in) -> out, chunk by chunk (VNNI pairs in 16-bit dtypes); out holds K * N.
+// The 16-bit pairs come from oneDNN's packer where it has one (AMX); elsewhere (AVX512-BF16 without AMX,
+// whose batch-reduce GEMM still reads VNNI pairs) they are written here: row pair x/2, column c holds
+// (B[x][c], B[x+1][c]) side by side. K is even (a multiple of 16).
 template <typename T>
 void pack_b(const T* in, int64_t K, int64_t N, int64_t ld_in, T* out, std::vector<T>& plain) {
   const auto dt = c10::CppTypeToScalarType<T>::value;
+  static const bool library_packs = kVnni<T> && at::native::cpublas::could_pack(dt);
   for (int64_t n0 = 0; n0 < N; n0 += NB) {
     const int64_t nb = std::min(NB, N - n0);
     T* dst = out + K * n0;
+    if (kVnni<T> && !library_packs) {
+      for (int64_t x = 0; x < K; x += 2)
+        for (int64_t c = 0; c < nb; ++c) {
+          dst[x * nb + 2 * c] = in[x * ld_in + n0 + c];
+          dst[x * nb + 2 * c + 1] = in[(x + 1) * ld_in + n0 + c];
+        }
+      continue;
+    }
     T* staged = kVnni<T> ? plain.data() : dst;
     for (int64_t x = 0; x < K; ++x) std::memcpy(staged + x * nb, in + x * ld_in + n0, nb * sizeof(T));
     if constexpr (kVnni<T>) at::native::cpublas::pack(K, nb, nb, nb, dt, dt, staged, dst);
@@ -251,8 +263,7 @@ torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_attention", &block_attention, "attention over a block table (inference, CPU)");
-  m.def("packs", [](py::object dtype) {
-    const auto dt = torch::python::detail::py_object_to_dtype(dtype);
-    return dt == at::kFloat || at::native::cpublas::could_pack(dt);
-  }, "whether the batch-reduce GEMM takes operands of this dtype (16-bit ones VNNI-packed)");
+  m.def("library_packs", [](py::object dtype) {
+    return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));
+  }, "whether oneDNN's packer lays out B operands of this 16-bit dtype (AMX machines)");
 }

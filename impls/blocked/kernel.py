@@ -9,7 +9,7 @@ float32 between them, scores kept in the thread's buffers.
 
 It is compiled with torch's C++ extension builder (a C++ compiler and ninja; about a minute, once per machine:
 the build is cached under the torch extensions directory, keyed by the source and the CPU's vector ISA).
-Where it cannot be built, the CPU BLAS cannot pack 16-bit operands, or the case is one it does not take
+Where it cannot be built, the CPU has no fast bfloat16 products, or the case is one it does not take
 (`unavailable_reason`), `blocked` keeps its torch-op paths and says why in its record
 (`config.kernel_unavailable`).
 """
@@ -100,9 +100,19 @@ def unavailable_reason(q: Tensor, block_size: int) -> str | None:
     module = kernel_module()
     if module is None:
         return _unavailable
-    if not module.packs(q.dtype):
-        return f"this CPU's BLAS cannot pack {q.dtype} operands for its batch-reduce GEMM"
+    if q.dtype == torch.bfloat16 and not (module.library_packs(q.dtype) or _has_bf16_dot_products()):
+        return ("bfloat16 on a CPU with neither AMX nor AVX512-BF16: its batch-reduce GEMM would emulate the "
+                "bfloat16 products")
     return None
+
+
+def _has_bf16_dot_products() -> bool:
+    """AVX512-BF16 (Zen 4, Cooper Lake and later): oneDNN's batch-reduce GEMM runs bfloat16 on its dot-product
+    instruction, on B operands this module packs itself."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    features = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
+    return bool(features.get("avx512_bf16", False))
 
 
 @dataclass(frozen=True)
