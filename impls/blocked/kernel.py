@@ -83,7 +83,9 @@ def kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:
     1.47x; causal_local W=1024 bfloat16 1.50x against 1.11x for the fused band path, float32 2.10x against 1.48x
     for the window steps; local W=256 bfloat16 1.11x against 0.97x, float32 2.09x against 1.68x; at 32 query
     heads on 8 KV heads, D=128, bfloat16: local W=256 1.05x against 0.76x, causal_local W=1024 1.20x against
-    0.89x. float32 local W=256 at N=16384: 1.65x against 1.67x (alike).
+    0.89x. float32 local W=256 at N=16384: 1.65x against 1.67x (alike). On a 2-core AMD EPYC (Zen 4,
+    AVX512-BF16, no AMX), in the committed cpu run at d4170a9: 1.64x to 2.54x flex in float32 and 3.86x to
+    5.65x in bfloat16 over the same cases.
     """
     return device.type == "cpu" and dtype in KERNEL_DTYPES
 
