@@ -164,9 +164,10 @@ def sparse_peaks(tmp_path_factory) -> dict[str, dict[int, int]]:
 
 
 # Each figure is read in a fresh process (bench.run.forkserver), so it repeats: over 10 runs of these suites
-# (scripts/memory_stability.py, sweep order reversed every other run) dense's doublings read 3.98..4.14, csr's
-# 1.99..2.04 and blocked's 1.61..1.79 (its steps' buffers are a constant beside the O(nnz) output), every figure
-# within 4% of itself. The bounds tell linear (2 per doubling) from quadratic (4) at every doubling.
+# (scripts/memory_stability.py, sweep order reversed every other run; 2-core AMD EPYC) dense's doublings read
+# 3.99..4.02, csr's 1.97..2.04 and blocked's 1.99..2.02 (its CPU kernel: packed K and V and the output; its
+# torch-op steps read 1.61..1.79 on an Intel Xeon, their buffers a constant beside the O(nnz) output), every
+# figure within 3% of itself. The bounds tell linear (2 per doubling) from quadratic (4) at every doubling.
 
 
 def test_dense_peak_holds_the_score_matrix_and_grows_as_n_squared(dense_peaks):
@@ -180,7 +181,7 @@ def test_dense_peak_holds_the_score_matrix_and_grows_as_n_squared(dense_peaks):
 def test_sparse_peaks_grow_as_nnz(sparse_peaks, impl):
     peaks = sparse_peaks[impl]
     for small, big in itertools.pairwise(SPARSE_N):  # nnz doubles with N at a fixed window
-        assert 1.4 <= peaks[big] / peaks[small] <= 2.6, (impl, small, big, peaks)
+        assert 1.5 <= peaks[big] / peaks[small] <= 2.5, (impl, small, big, peaks)
     assert 2.5 <= peaks[SPARSE_N[-1]] / peaks[SPARSE_N[0]] <= 5.0, (impl, peaks)
     n = SPARSE_N[-1]
     assert peaks[n] * 10 < SPARSE_HEADS * n * n * 4, (impl, peaks)  # a tenth of dense's scores alone
