@@ -11,7 +11,7 @@ from bench import api
 from tests.conftest import PLUGINS, ROOT, only_run_dir, read_jsonl, run_bench, write_suite
 
 SMALL = {"heads": 2, "head_dim": 16, "seq_len": 64, "device": "cpu"}
-QUICK = {"warmup": 0, "repeat": 2, "max_time_s": 0.01}
+QUICK = {"warmup": 0, "repeat": 2, "max_time_s": 0.01, "memory": "worker"}  # no fresh process per pair
 
 
 def test_a_plugin_failing_inside_the_worker_gives_failed_records_not_a_traceback(tmp_path):

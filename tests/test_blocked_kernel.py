@@ -125,3 +125,46 @@ def test_strided_inputs_give_what_contiguous_ones_give(mode):
         results.append((out.detach(), *grads))
     for strided, contiguous in zip(*results, strict=True):
         torch.testing.assert_close(strided, contiguous, rtol=0, atol=0)
+
+
+def test_bfloat16_is_refused_with_its_reason_where_the_cpu_has_no_fast_bfloat16_products(monkeypatch):
+    built = kernel.kernel_module()
+    if built is None:
+        pytest.skip(f"the kernel is not built here: {kernel.unavailable_reason(torch.zeros(1, 1, 16, 16), 16)}")
+
+    class WithoutAmx:  # the built module as it answers on a CPU whose oneDNN has no bfloat16 packer
+        def __getattr__(self, name):
+            return getattr(built, name)
+
+        def library_packs(self, dtype):
+            return False
+
+    monkeypatch.setattr(kernel, "_module", WithoutAmx())
+    monkeypatch.setattr(kernel, "_has_bf16_dot_products", lambda: False)
+    pattern = make_pattern("block_random", 320, density=0.3, seed=0, block_size=64)
+    q, k, v = _inputs(pattern, 2, 2, 64, torch.bfloat16)
+    reason = kernel.unavailable_reason(q, 64)
+    assert reason is not None and "neither AMX nor AVX512-BF16" in reason
+    assert kernel.unavailable_reason(q.float(), 64) is None  # float32 still goes to the kernel
+    out, extras = _inference(pattern, q, k, v)
+    assert extras["path"] != "kernel" and extras["kernel_unavailable"] == reason
+    stats = compare(out, reference_attention(q.double(), k.double(), v.double(), pattern), tolerance_for("bfloat16"))
+    assert stats.passed
+
+
+def test_the_kernels_own_vnni_pairs_are_the_layout_onednn_packs():
+    # On CPUs without AMX the kernel writes the bfloat16 pairs itself (the oracle tests above check that path
+    # there); where oneDNN has a packer, the same call with the kernel's own pairs must give the same output.
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    reason = kernel.unavailable_reason(q, 64)
+    if reason is not None:
+        pytest.skip(f"the kernel does not take bfloat16 here: {reason}")
+    if not kernel.kernel_module().library_packs(torch.bfloat16):
+        pytest.skip("oneDNN has no bfloat16 packer on this CPU (no AMX): the kernel's own pairs are its only layout")
+    pattern = make_pattern("causal_local", 512, window=200, block_size=64)
+    q, k, v = _inputs(pattern, 4, 2, 128, torch.bfloat16)
+    table = kernel.block_table(pattern, 64)
+    grouped = q[0].reshape(2, 2, pattern.q_len, 128)
+    packed_by_onednn = kernel.kernel_attention(table, grouped, k[0], v[0], 128**-0.5)
+    packed_here = kernel.kernel_attention(table, grouped, k[0], v[0], 128**-0.5, own_pairs=True)
+    assert torch.equal(packed_by_onednn, packed_here)

@@ -27,7 +27,8 @@ def _suite(tmp_path):
             {"defaults": {"pattern": "agym_natten", "window": 5, "image_width": 12}, "sweep": {}},
             {"defaults": {"pattern": "checker", "documents": [50, 94], "q_len": 70}, "sweep": {}},
         ],
-        "measure": {"warmup": 0, "repeat": 2, "max_time_s": 0.01, "timeout_s": 300}})
+        # memory in the worker: a fresh process per pair would compile flex and build Triton's kernels again
+        "measure": {"warmup": 0, "repeat": 2, "max_time_s": 0.01, "timeout_s": 300, "memory": "worker"}})
 
 
 def test_plugin_patterns_run_on_every_single_process_implementation(tmp_path):

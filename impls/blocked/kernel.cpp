@@ -100,15 +100,16 @@ constexpr int64_t NB = 64;
 // in (K x N, leading dim ld_in) -> out, chunk by chunk (VNNI pairs in 16-bit dtypes); out holds K * N.
 // The 16-bit pairs come from oneDNN's packer where it has one (AMX); elsewhere (AVX512-BF16 without AMX,
 // whose batch-reduce GEMM still reads VNNI pairs) they are written here: row pair x/2, column c holds
-// (B[x][c], B[x+1][c]) side by side. K is even (a multiple of 16).
+// (B[x][c], B[x+1][c]) side by side (own_pairs: here even where oneDNN could, for the test that the two
+// layouts agree). K is even (a multiple of 16).
 template <typename T>
-void pack_b(const T* in, int64_t K, int64_t N, int64_t ld_in, T* out, std::vector<T>& plain) {
+void pack_b(const T* in, int64_t K, int64_t N, int64_t ld_in, T* out, std::vector<T>& plain, bool own_pairs) {
   const auto dt = c10::CppTypeToScalarType<T>::value;
   static const bool library_packs = kVnni<T> && at::native::cpublas::could_pack(dt);
   for (int64_t n0 = 0; n0 < N; n0 += NB) {
     const int64_t nb = std::min(NB, N - n0);
     T* dst = out + K * n0;
-    if (kVnni<T> && !library_packs) {
+    if (kVnni<T> && (own_pairs || !library_packs)) {
       for (int64_t x = 0; x < K; x += 2)
         for (int64_t c = 0; c < nb; ++c) {
           dst[x * nb + 2 * c] = in[x * ld_in + n0 + c];
@@ -135,7 +136,8 @@ inline void gemm_b(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldc, bo
 // K and V of every (head, key block) as the B operands of the two products, zero padded past N:
 // K_j^T (D x bs) and V_j (bs x D).
 template <typename T>
-void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, int64_t bs, T* kp, T* vp) {
+void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, int64_t bs, T* kp, T* vp,
+                 bool own_pairs) {
   const int64_t nkb = (n + bs - 1) / bs;
   at::parallel_for(0, heads * nkb, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> kt(d * bs), vb(bs * d), plain(std::max(d, bs) * NB);
@@ -148,8 +150,8 @@ void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, in
         for (int64_t t = 0; t < bs; ++t) kt[x * bs + t] = t < valid ? kj[t * d + x] : T(0);
       std::memcpy(vb.data(), vj, valid * d * sizeof(T));
       std::fill(vb.begin() + valid * d, vb.end(), T(0));
-      pack_b(kt.data(), d, bs, bs, kp + task * d * bs, plain);
-      pack_b(vb.data(), bs, d, d, vp + task * bs * d, plain);
+      pack_b(kt.data(), d, bs, bs, kp + task * d * bs, plain, own_pairs);
+      pack_b(vb.data(), bs, d, d, vp + task * bs * d, plain, own_pairs);
     }
   });
 }
@@ -226,11 +228,12 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
 
 // q (H, G, Nq, D), k, v (H, N, D), all contiguous in one dtype; the block table of the pattern's block-sparse
 // view: kv_index, mask_slot int32 (nqb, max_kv) (mask_slot -1: a full block), kv_count int32 (nqb,), masks
-// bool (P, bs, bs). Returns (H, G, Nq, D).
+// bool (P, bs, bs). own_pairs: the 16-bit VNNI pairs written by pack_b even where oneDNN's packer exists.
+// Returns (H, G, Nq, D).
 torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& kv_index, const torch::Tensor& kv_count,
                               const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
-                              int64_t bs) {
+                              int64_t bs, bool own_pairs) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "q (H, G, Nq, D), k and v (H, N, D)");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -245,7 +248,8 @@ torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, co
   auto vp = torch::empty({heads * nkb * bs * d}, k.options());
   auto table = [&](auto tag) {
     using T = decltype(tag);
-    pack_blocks<T>(k.data_ptr<T>(), v.data_ptr<T>(), heads, n, d, bs, kp.data_ptr<T>(), vp.data_ptr<T>());
+    pack_blocks<T>(k.data_ptr<T>(), v.data_ptr<T>(), heads, n, d, bs, kp.data_ptr<T>(), vp.data_ptr<T>(),
+                   own_pairs);
     attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq, n, d, bs,
               kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv, mask_slot.data_ptr<int32_t>(),
               masks.data_ptr<bool>(), static_cast<float>(scale));
@@ -262,7 +266,9 @@ torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, co
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_attention", &block_attention, "attention over a block table (inference, CPU)");
+  m.def("block_attention", &block_attention, "attention over a block table (inference, CPU)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("kv_index"), py::arg("kv_count"), py::arg("mask_slot"),
+        py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false);
   m.def("library_packs", [](py::object dtype) {
     return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));
   }, "whether oneDNN's packer lays out B operands of this 16-bit dtype (AMX machines)");

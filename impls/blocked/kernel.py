@@ -143,9 +143,13 @@ def block_table(pattern, bs: int) -> BlockTable:
                       masks.contiguous())
 
 
-def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """q (B*Hkv, G, q_len, D), k, v (B*Hkv, N, D) -> (B*Hkv, G, q_len, D); rows without an allowed key zero."""
+def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                     own_pairs: bool = False) -> Tensor:
+    """q (B*Hkv, G, q_len, D), k, v (B*Hkv, N, D) -> (B*Hkv, G, q_len, D); rows without an allowed key zero.
+
+    own_pairs: bfloat16 operands packed by the kernel's own VNNI code even where oneDNN has a packer (a test
+    compares the two layouts)."""
     module = kernel_module()
     assert module is not None, "kernel_attention needs the built kernel (see unavailable_reason)"
     return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index, table.kv_count,
-                                  table.mask_slot, table.masks, scale, table.block)
+                                  table.mask_slot, table.masks, scale, table.block, own_pairs)
