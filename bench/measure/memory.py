@@ -18,6 +18,10 @@ and the figure depends on that layout (csr's same call read 13.5 to 23 MB from o
 process that only measures memory (`bench.measure.pair.memory_alone`, in a fresh process) therefore tracks
 from its start (`track_allocations`): no large chunk ever lives on its heap, and the figure repeats (13.5 to
 13.7 MB over the same processes).
+
+Linux keeps the resident counters per CPU and /proc reads them without summing the per-CPU parts, so each
+figure is off by up to a few hundred KiB (a 2.1 MiB call read 2.09 to 2.36 MB over eight runs on a 2-CPU
+machine): figures of a few MB are coarse, those of tens of MB and more are not.
 """
 
 from __future__ import annotations
