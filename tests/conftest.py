@@ -14,6 +14,17 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 
+# The same console width whether the tests run in one process or in parallel workers (pytest-xdist's workers
+# get COLUMNS=80, which folds the tables and paths the tests read); subprocesses inherit it.
+os.environ["COLUMNS"] = "200"
+os.environ.pop("LINES", None)
+
+
+def outer_pytest_env() -> dict[str, str]:
+    """The environment for a pytest started from a test, without the parallel worker's marks: pytest-benchmark
+    disables itself where PYTEST_XDIST_WORKER is set."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+
 
 def bench_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "bench", *args]

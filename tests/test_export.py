@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.cli import main
-from tests.conftest import ROOT, write_suite
+from tests.conftest import ROOT, outer_pytest_env, write_suite
 from tests.synthetic import commit_id, noisy, record, write_run
 
 
@@ -95,7 +95,8 @@ def test_benchmarks_entry_runs_under_pytest_benchmark(tmp_path):
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/", "-q", "-p", "no:cacheprovider",
                            f"--bench-suite={suite}", "--bench-impl=sdpa", "-k", "local",
-                           f"--benchmark-json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           f"--benchmark-json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=outer_pytest_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 passed, 2 deselected" in proc.stdout
     doc = json.loads(out.read_text())
@@ -108,5 +109,6 @@ def test_benchmarks_entry_runs_under_pytest_benchmark(tmp_path):
     # a suite error is a usage error naming the field, not a traceback
     bad = write_suite(tmp_path, {"name": "pb", "impls": ["nope"]}, name="bad.yaml")
     proc = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/", "-q", "-p", "no:cacheprovider",
-                           f"--bench-suite={bad}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           f"--bench-suite={bad}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=outer_pytest_env())
     assert proc.returncode == 4 and "impls[0]" in proc.stderr and "'nope'" in proc.stderr
