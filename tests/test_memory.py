@@ -207,7 +207,10 @@ def test_an_earlier_case_does_not_move_the_figure(tmp_path):
              for r in read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")}
     for impl in ("csr", "blocked"):
         before, after = peaks[(impl, 4096, 0)], peaks[(impl, 4096, 1)]
-        assert abs(after - before) <= 0.03 * before, (impl, before, after)
+        # within the resident counters' error (csr's figure here spread 390 KB, 2.8%, over 10 runs, about what
+        # the counters allow); read in the worker, csr's same call had read 13.5 to 23 MB with the heap that
+        # earlier calls left
+        assert abs(after - before) <= SLACK, (impl, before, after)
         assert peaks[(impl, 16384, 0)] > 2.5 * before, (impl, peaks)
 
 

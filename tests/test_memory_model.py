@@ -99,13 +99,14 @@ def test_the_model_is_a_lower_bound_of_what_a_call_uses():
     worker = WorkerProcess([])
     try:
         for impl_name, mode in pairs:
-            case = Case(heads=4, head_dim=16, seq_len=512, window=64, mode=mode, device="cpu")
+            case = Case(heads=4, head_dim=16, seq_len=1024, window=64, mode=mode, device="cpu")
             outcome = worker.run(task_for(case, impl_name, check=False), timeout_s=300)
             r = outcome.record
             assert r is not None and r["status"] == "ok", outcome
             impl = registry.get(impl_name)
             mask = case.seq_len**2 if impl_name == "dense" else 0  # built in prepare, before the measured call
-            # The resident-size method is exact to a few pages (the interpreter frees some during the call).
+            # The resident-size method is exact to a few hundred KiB (Linux's per-CPU resident counters; the
+            # interpreter frees some pages during the call): 5% of these 16 MiB and more is well above that.
             assert r["memory"]["peak_bytes"] >= 0.95 * (impl.memory_bytes(case) - mask), r
     finally:
         worker.close()
