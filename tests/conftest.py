@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 
 # The same console width whether the tests run in one process or in parallel workers (pytest-xdist's workers
-# get COLUMNS=80, which folds the tables and paths the tests read); subprocesses inherit it.
+# get COLUMNS=80, which folds the tables the tests read); every `bench` subprocess inherits it.
 os.environ["COLUMNS"] = "200"
 os.environ.pop("LINES", None)
 
@@ -34,7 +34,7 @@ def run_bench(*args: str, cwd: Path | None = None, timeout: float = 600, env: di
               ) -> subprocess.CompletedProcess:
     """`bench ARGS` in a subprocess with this checkout importable; output captured as text."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "COLUMNS": "200", **(env or {})}
+                **(env or {})}
     return subprocess.run(bench_cmd(*args), cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
                           env=full_env)
 

@@ -224,7 +224,7 @@ def torchrun_records(world: int, tmp_root: str) -> list[dict]:
     suite = write_suite(directory, suite_for(world))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "-m", "bench", "run", str(suite), "--out", str(directory / "results")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_jsonl(only_run_dir(directory / "results") / "records.jsonl")
