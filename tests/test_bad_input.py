@@ -33,6 +33,10 @@ def with_changes(**changes) -> dict:
 CASES = {
     "malformed_yaml": ("name: x\nimpls: [dense\n", ["malformed YAML at line"]),
     "unknown_key": (with_changes(measure__repeats=3), ["measure.repeats", "unknown key", "repeat"]),
+    # a key with a dash once looked like a union member's name and was dropped from the path (IndexError)
+    "unknown_dashed_key": ({**GOOD, "-": None}, ["-: unknown key", "allowed keys here: name"]),
+    "unknown_dashed_field": (with_changes(defaults__a_b=1) | {"defaults": {"heads": 2, "a-b": 1}},
+                             ["defaults.a-b", "unknown key"]),
     "wrong_type": (with_changes(sweep__seq_len=[64, "long"]), ["sweep.seq_len[1]", "'long'", "integer"]),
     "out_of_range": (with_changes(sweep__seq_len=[64, -5]), ["sweep.seq_len[1]", "-5", "greater than or equal to 1"]),
     "empty_axis": (with_changes(sweep__seq_len=[]), ["sweep.seq_len", "must not be empty"]),

@@ -150,6 +150,9 @@ def _explain(err: Any) -> tuple[str, str]:
     path = field_path(loc)
     kind = err["type"]
     if kind == "extra_forbidden":
+        # the unknown key itself is the last element as given, even where it looks like a union member's name
+        loc = (*loc[:-1], err["loc"][-1]) if loc and loc[-1] == err["loc"][-1] else (*loc, err["loc"][-1])
+        path = field_path(loc)
         parent = next((p for p in reversed(loc[:-1]) if isinstance(p, str)), "")
         allowed = _KEYS_AT.get(parent, [])
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
