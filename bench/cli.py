@@ -127,6 +127,44 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
     return dashboard_command(args.runs, Path(args.output), Path(args.results), make_console())
 
 
+def _cmd_inputs(args: argparse.Namespace) -> int:
+    from bench.measure.inputs_report import inputs_command
+
+    return inputs_command(Path(args.suite), args.case, args.device, args.json, make_console())
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    from bench.capture import capture_command
+
+    return capture_command(args.model, args.text, Path(args.output), args.layers, args.max_tokens, args.dtype,
+                           make_console())
+
+
+def _add_inputs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inputs", help="the attention statistics of a suite's inputs (how concentrated each row is)")
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("--case", type=int, metavar="N", help="only this case (index, see run --dry-run)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override the cases' device")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.set_defaults(func=_cmd_inputs)
+
+
+def _add_capture(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capture", help="save a Hugging Face causal LM's q, k, v per layer on a text, as case inputs",
+                       description="Runs MODEL (a local directory or a name in your Hugging Face cache; never "
+                                   "downloaded) once on TEXT and saves the chosen layers' post-RoPE q, k, v to a "
+                                   "safetensors file that a suite reads with inputs: {file: FILE, layer: L}. Needs "
+                                   "the optional extra `capture` (transformers).")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("text", metavar="TEXT", help="the text, or the path of a text file")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the safetensors file to write")
+    p.add_argument("--layers", metavar="L,L,...", help="layers to save, negative from the end (default: all)")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="cut the text to its first N tokens")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the model's and the saved tensors' dtype (default float32)")
+    p.set_defaults(func=_cmd_capture)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -239,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", help="trace file (default: profiles/<suite>-<case>-<impl>.json)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override the case's device")
     p.set_defaults(func=_cmd_profile)
+    _add_inputs(sub)
+    _add_capture(sub)
     return parser
 
 

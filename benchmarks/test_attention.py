@@ -18,7 +18,7 @@ from bench.errors import Unavailable
 from bench.measure.check import check_against_oracle
 from bench.measure.flops import useful_flops
 from bench.measure.pair import CaseCache
-from bench.measure.steps import make_inputs, prepare_call, skip_reason, timed_step, upstream_grad
+from bench.measure.steps import call_inputs, prepare_call, skip_reason, timed_step
 from bench.spec.case import Case, resolve_device
 
 
@@ -42,8 +42,7 @@ def test_attention(benchmark: Any, pair: tuple[Case, str, Any], request: pytest.
 
     cache = CaseCache()
     pattern = cache.for_case(case)
-    q, k, v = (t.detach().requires_grad_(case.mode == "fwd_bwd") for t in make_inputs(case))
-    grad_out = upstream_grad(case) if case.mode == "fwd_bwd" else None
+    q, k, v, grad_out = call_inputs(case)
     try:
         prepared = prepare_call(impl, case, pattern, q, k, v)
     except Unavailable as exc:

@@ -25,9 +25,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.inputs import InputsSpec
 from bench.results.index import run_commit, run_fingerprint
 from bench.results.records import Record
 from bench.results.store import Run
+from bench.spec.case import LATER_FIELDS
 
 FACET_KEYS = ("pattern", "dtype", "mode", "device", "workload")
 Facet = tuple[str, str, str, str, str]  # the values of FACET_KEYS
@@ -39,11 +41,10 @@ SHORT_NAMES = {"seq_len": "N", "window": "w", "density": "p", "block_size": "bs"
                "global_tokens": "g", "seed": "seed", "batch": "B", "heads": "H", "head_dim": "D",
                "world_size": "P", "checkpoint": "ckpt", "env": "env", "kv_heads": "Hkv", "q_len": "q",
                "documents": "docs", "prefix": "pre", "image_width": "iw", "cp_layout": "layout",
-               "ulysses_degree": "U"}
-# Case fields added after the first records were written (bench/case.py `_LATER_FIELDS`): a record without the
+               "ulysses_degree": "U", "inputs": "in"}
+# Case fields added after the first records were written (bench.spec.case.LATER_FIELDS): a record without the
 # key has the default. kv_heads and q_len written out as heads and seq_len mean the default too.
-LATER_DEFAULTS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
-                                  "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None}
+LATER_DEFAULTS: dict[str, Any] = LATER_FIELDS
 _DEFAULT_FROM = {"kv_heads": "heads", "q_len": "seq_len"}  # None means the value of this other field
 # What the time and memory views may put on x, in order of preference: seq_len whenever it varies, else the
 # first of the others that does (a documents sweep at one length draws time against the number of documents).
@@ -94,6 +95,7 @@ class Row:
     peak_flops: float | None = None
     peak_source: str | None = None
     peak_hardware: str | None = None
+    attention_stats: dict[str, Any] | None = None  # bench.measure.attention_stats of the case's inputs
 
     @property
     def modelled(self) -> bool:
@@ -195,6 +197,7 @@ def row_from_record(run: Run, record: Record) -> Row:
         flops=record.flops, flops_per_s=record.flops_per_s,
         peak_fraction=peak.fraction if peak else None, peak_flops=peak.peak_flops if peak else None,
         peak_source=peak.source if peak else None, peak_hardware=peak.hardware if peak else None,
+        attention_stats=record.attention_stats.model_dump() if record.attention_stats else None,
     )
 
 
@@ -258,6 +261,8 @@ def format_documents(value: Any) -> str:
 
 
 def format_param(key: str, value: Any) -> str:
+    if key == "inputs" and isinstance(value, dict):
+        return InputsSpec.parse(value).label()  # `structured*`, `capL12`: a short name, not the mapping
     return format_documents(value) if key == "documents" else format_value(value)
 
 

@@ -15,6 +15,7 @@ from bench.dashboard.views_comm import comm_figure
 from bench.dashboard.views_comm_balance import balance_figures
 from bench.dashboard.views_correctness import correctness_figure
 from bench.dashboard.views_history import HistorySeries, history_figure
+from bench.dashboard.views_inputs import inputs_figure
 from bench.dashboard.views_memory import memory_figure, peak_figure
 from bench.dashboard.views_time import speedup_figure, time_figure
 from bench.results.records import STATUSES
@@ -107,6 +108,7 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         ("breakeven", lambda: breakeven_figures(rows, colours)),
         ("peak", lambda: _one(peak_figure(rows, colours))),
         ("correctness", lambda: _one(correctness_figure(rows))),
+        ("inputs", lambda: _one(inputs_figure(rows))),
         ("history", lambda: _one(history_figure(history, commits, colours))),
     ]
     for view, build in builders:

@@ -28,9 +28,11 @@ from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
+from bench.inputs import CaseInputs
 from bench.measure import flops as flop_counts
+from bench.measure.attention_stats import attention_statistics
 from bench.measure.calibrate import gpu_identity, peak_for
-from bench.measure.check import check_against_oracle
+from bench.measure.check import check_against_oracle, checked_rows
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak, track_allocations
 from bench.measure.memory_model import does_not_fit
@@ -67,14 +69,14 @@ class CaseCache:
 
     key: str | None = None
     pattern: Pattern | None = None
-    inputs: tuple[Tensor, Tensor, Tensor] | None = None
+    inputs: CaseInputs | None = None
     oracle: dict[str, Any] = field(default_factory=dict)
 
     def input_bytes(self, case: Case) -> int:
         """Bytes of this case's inputs already allocated (0 when another case's are cached)."""
         if self.key != f"{case.case_id}@{case.device}" or self.inputs is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in self.inputs)
+        return sum(t.numel() * t.element_size() for t in self.inputs.tensors)
 
     def for_case(self, case: Case) -> Pattern:
         key = f"{case.case_id}@{case.device}"
@@ -83,6 +85,15 @@ class CaseCache:
             self.pattern = case.make_pattern()
             self.key = key
         return self.pattern
+
+
+def case_attention_stats(case: Case, pattern: Pattern, cache: CaseCache) -> dict[str, Any]:
+    """The attention statistics of the case's inputs on the oracle's rows, computed once per case."""
+    if "attention_stats" not in cache.oracle:
+        assert cache.inputs is not None
+        stats = attention_statistics(cache.inputs.q, cache.inputs.k, pattern, checked_rows(case), case.block_size)
+        cache.oracle["attention_stats"] = {k: v for k, v in stats.items() if k != "by_head"}
+    return cache.oracle["attention_stats"]
 
 
 class PairSession:
@@ -143,7 +154,11 @@ class PairSession:
             self.phase(self.current)
             if cache.inputs is None:
                 cache.inputs = make_inputs(case)
+            self.base["inputs"] = cache.inputs.info()
             q, k, v, grad_out = call_inputs(case, cache.inputs)
+            if self.task.measure.attention_stats:
+                self.current = "attention statistics"
+                self.base["attention_stats"] = case_attention_stats(case, pattern, cache)
             self.current = "prepare"
             prepared = prepare_call(impl, case, pattern, q, k, v, self._phase)
         except Unavailable as exc:

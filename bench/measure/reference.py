@@ -10,6 +10,7 @@ dq, dk and dv of the full problem equal those of the sampled one exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -67,24 +68,21 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
                          f"{pattern.seq_len}); q holds the last q_len positions")
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None) -> Tensor:
-    """Attention in float64 for query `rows` (default: all): (B, H, len(rows), D).
-
-    q (B, H, q_len, D), k and v (B, Hkv, seq_len, D) of any float dtype and device, query head h reading KV
-    head h // (H / Hkv); the result is float64 on the same device. A query row with no allowed key gives
-    zeros. Differentiable with respect to q, k, v (dk, dv summed over each KV head's query group).
-    """
-    check_shapes(q, k, v, pattern)
+def reference_weights(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | None = None
+                      ) -> Iterator[tuple[Tensor, Tensor]]:
+    """The oracle's float64 attention weights, chunk by chunk of query `rows` (default: all): yields (r, weights)
+    with r the chunk's rows (c,) and weights (B, H, c, N), zero on masked keys (a row with no allowed key is all
+    zeros). Differentiable with respect to q and k."""
+    check_shapes(q, k, k, pattern)
     b, h, nq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = h // hkv
     device = q.device
     rows = torch.arange(nq) if rows is None else rows.to(torch.int64).cpu()
-    q64, k64, v64 = q.double(), k.double(), v.double()
+    q64, k64 = q.double(), k.double()
     keys = torch.arange(n)
     scale = 1.0 / math.sqrt(d)
     chunk = max(1, CHUNK_BYTES // (8 * b * h * n))
-    outs = []
     for start in range(0, len(rows), chunk):
         r = rows[start : start + chunk]
         c = len(r)
@@ -97,10 +95,26 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows:
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         weights = torch.exp(scores - peak)  # exp(-inf) = 0: masked keys and empty rows get no weight
         denom = weights.sum(dim=-1, keepdim=True)
-        weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
-        out = torch.matmul(weights.reshape(b, hkv, group * c, n), v64).view(b, h, c, d)
-        outs.append(out)
-    return torch.cat(outs, dim=2) if outs else q64.new_zeros(b, h, 0, d)
+        yield r, weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None) -> Tensor:
+    """Attention in float64 for query `rows` (default: all): (B, H, len(rows), D).
+
+    q (B, H, q_len, D), k and v (B, Hkv, seq_len, D) of any float dtype and device, query head h reading KV
+    head h // (H / Hkv); the result is float64 on the same device. A query row with no allowed key gives
+    zeros. Differentiable with respect to q, k, v (dk, dv summed over each KV head's query group).
+    """
+    check_shapes(q, k, v, pattern)
+    b, h, _, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    group = h // hkv
+    v64 = v.double()
+    outs = []
+    for r, weights in reference_weights(q, k, pattern, rows):
+        c = len(r)
+        outs.append(torch.matmul(weights.reshape(b, hkv, group * c, n), v64).view(b, h, c, d))
+    return torch.cat(outs, dim=2) if outs else q.double().new_zeros(b, h, 0, d)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bench import registry
+from bench import inputs, registry
+from bench.inputs import CaseInputs
 from bench.measure.timing import TimingPolicy
 from bench.patterns import Pattern
 from bench.registry import SetupClock
@@ -40,28 +41,22 @@ def skip_reason(impl: registry.Impl, case: Case) -> str | None:
     return reason
 
 
-def make_inputs(case: Case, salt: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Seeded q (B, H, q_len, D) and k, v (B, Hkv, N, D): standard normal, drawn in float32 on the device, then
-    cast."""
-    device = torch.device(case.device)
-    gen = torch.Generator(device=device).manual_seed(case.seed * 1_000_003 + salt)
-    return tuple(  # type: ignore[return-value]
-        torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(case.torch_dtype)
-        for shape in (case.q_shape(), case.kv_shape(), case.kv_shape())
-    )
+def make_inputs(case: Case) -> CaseInputs:
+    """The case's q (B, H, q_len, D) and k, v (B, Hkv, N, D) in its dtype on its device, as its `inputs` field
+    says (bench.inputs: seeded Gaussians, the structured generator, or a captured file), with their provenance."""
+    return inputs.make(case.inputs, case.inputs_shape(), case.seed, case.torch_dtype, case.device)
 
 
 def upstream_grad(case: Case) -> Tensor:
-    """The seeded gradient of the output that backward starts from."""
-    return make_inputs(case, salt=7)[0]
+    """The seeded gradient of the output that backward starts from (Gaussian, whatever the inputs)."""
+    return inputs.random_tensors(case.inputs_shape(), case.seed, case.torch_dtype, case.device, salt=7)[0]
 
 
-def call_inputs(case: Case, inputs: tuple[Tensor, Tensor, Tensor] | None = None
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(q, k, v, grad_out) for one pair: the seeded inputs (or `inputs`, shared by a case's pairs) as leaves of
-    their own, requiring grad in fwd_bwd, and the upstream gradient there (None in fwd)."""
+def call_inputs(case: Case, made: CaseInputs | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(q, k, v, grad_out) for one pair: the case's inputs (`made`, shared by a case's pairs, or made here) as
+    leaves of their own, requiring grad in fwd_bwd, and the upstream gradient there (None in fwd)."""
     backward = case.mode == "fwd_bwd"
-    q, k, v = (t.detach().requires_grad_(backward) for t in inputs or make_inputs(case))
+    q, k, v = (t.detach().requires_grad_(backward) for t in (made or make_inputs(case)).tensors)
     return q, k, v, upstream_grad(case) if backward else None
 
 

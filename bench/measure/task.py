@@ -29,6 +29,7 @@ class MeasureSettings(BaseModel):
     check: bool = True
     calibrate: bool = False
     memory: Literal["fresh", "worker"] = "fresh"  # where CPU memory is read (bench.run.forkserver)
+    attention_stats: bool = False  # the records carry the attention statistics of the case's inputs
     calibration: Calibration | None = None
 
 

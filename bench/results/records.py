@@ -152,6 +152,43 @@ class SetupTimes(BaseModel):
     first_call_s: float | None = None
 
 
+class InputsInfo(BaseModel):
+    """Where a case's q, k, v came from (bench.inputs): the kind, the seed, a captured file's path, content hash
+    and layer, and the structured generator's planted needles (how many)."""
+
+    model_config = _STRICT
+    kind: Literal["random", "structured", "file"]
+    seed: int
+    file: str | None = None
+    file_sha256: str | None = None
+    layer: int | None = None
+    needles: int | None = None
+
+
+class Distribution(BaseModel):
+    """A statistic over rows: mean and percentiles."""
+
+    model_config = _STRICT
+    mean: float | None
+    p5: float | None
+    p50: float | None
+    p95: float | None
+
+
+class AttentionStats(BaseModel):
+    """How concentrated dense attention under the case's pattern is on its inputs (bench.measure.attention_stats),
+    each over (batch, head, query row) of the oracle's rows."""
+
+    model_config = _STRICT
+    top1_mass: Distribution
+    top5_mass: Distribution
+    top10_mass: Distribution
+    block_top5_mass: Distribution
+    entropy: Distribution
+    sink_mass: Distribution
+    rows: int
+
+
 class Record(BaseModel):
     model_config = _STRICT
     schema_version: int = SCHEMA_VERSION
@@ -184,6 +221,8 @@ class Record(BaseModel):
     wall_s: float | None = None  # wall time spent on this (case, impl), all phases
     check_s: float | None = None  # of which the oracle check (computing the oracle where this pair was first)
     memory_s: float | None = None  # of which the memory measurement (on CPU: the case again, in a fresh process)
+    inputs: InputsInfo | None = None  # where q, k, v came from (null in records written before inputs existed)
+    attention_stats: AttentionStats | None = None  # with measure.attention_stats
 
     @model_validator(mode="before")
     @classmethod

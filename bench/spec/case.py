@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from bench.inputs import InputsShape, InputsSpec
 from bench.patterns import PATTERN_FIELDS, Pattern, make_pattern
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -19,9 +20,11 @@ _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 # Fields added after the first release. Left at their default they stay out of a case's id digest, so the
 # cases of older suites keep their ids (and their history) across the addition.
-_LATER_FIELDS = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0, "image_width": None,
-                 "cp_layout": "contiguous", "ulysses_degree": None}
+LATER_FIELDS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
+                                "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None,
+                                "inputs": "random"}
 CP_LAYOUTS = ("contiguous", "zigzag")
+RANDOM_INPUTS = InputsSpec()  # frozen: one shared default
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,14 @@ class Case:
     image_width: int | None = None  # neighborhood: tokens per image row
     cp_layout: str = "contiguous"  # sequence split over ranks: contiguous chunks, or zigzag (chunks r, 2P-1-r)
     ulysses_degree: int | None = None  # cp_usp: ranks per Ulysses group (None: its default)
+    # q, k, v: random | structured | a captured file (bench.inputs); given as a suite writes it, held as InputsSpec
+    inputs: InputsSpec = RANDOM_INPUTS
 
     def __post_init__(self) -> None:
         if isinstance(self.documents, list):  # frozen and hashable: lengths as a tuple
             object.__setattr__(self, "documents", tuple(self.documents))
+        if not isinstance(self.inputs, InputsSpec):
+            object.__setattr__(self, "inputs", InputsSpec.parse(self.inputs))
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -63,6 +70,7 @@ class Case:
         out = asdict(self)
         if isinstance(out["documents"], tuple):
             out["documents"] = list(out["documents"])
+        out["inputs"] = self.inputs.to_param()
         return out
 
     @property
@@ -99,6 +107,10 @@ class Case:
     def kv_shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.n_kv_heads, self.seq_len, self.head_dim)
 
+    def inputs_shape(self) -> InputsShape:
+        return InputsShape(self.batch, self.heads, self.n_kv_heads, self.seq_len, self.n_queries, self.head_dim,
+                           self.block_size)
+
     def pattern_fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PATTERN_FIELDS}
 
@@ -112,9 +124,11 @@ class Case:
     def _digest_params(self) -> dict[str, Any]:
         params = self.params()
         same = {"kv_heads": self.heads, "q_len": self.seq_len}  # written out, they mean the default
-        for name, default in _LATER_FIELDS.items():
+        for name, default in LATER_FIELDS.items():
             if params[name] == default or params[name] == same.get(name):
                 del params[name]
+        if "inputs" in params:
+            params["inputs"] = self.inputs.digest_param()  # a captured file by its content, not its path
         return params
 
     @property
@@ -133,6 +147,8 @@ class Case:
             parts.append(self.cp_layout)
         if self.ulysses_degree is not None:
             parts.append(f"u{self.ulysses_degree}")
+        if self.inputs.label():
+            parts.append(self.inputs.label())
         parts.append(digest)
         return "-".join(parts)
 
@@ -147,8 +163,9 @@ class Case:
             world += f" U={self.ulysses_degree}"
         q = f" q={self.q_len}" if self.q_len is not None and self.q_len != self.seq_len else ""
         kv = f"/{self.kv_heads}" if self.kv_heads is not None and self.kv_heads != self.heads else ""
+        inputs = f" {self.inputs.label()}" if self.inputs.label() else ""
         return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "
-                f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}")
+                f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}{inputs}")
 
     def with_device(self, device: str) -> Case:
         return replace(self, device=device)

@@ -27,6 +27,8 @@ from pydantic import (
 )
 
 from bench.errors import BadInput
+from bench.inputs import InputsError, InputsSpec
+from bench.inputs import files as input_files
 from bench.patterns import PATTERNS, PatternError
 from bench.plugins import load_plugin
 from bench.spec.case import Case
@@ -60,6 +62,8 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     "image_width": _Pos | None,
     "cp_layout": Literal["contiguous", "zigzag"],
     "ulysses_degree": _Pos | None,
+    # random | structured | {kind: structured, <knob>: value} | {file: PATH, layer: L}: checked by bench.inputs
+    "inputs": StrictStr | dict[str, Any],
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 
@@ -84,6 +88,8 @@ class Measure(BaseModel):
     # CPU memory: in a fresh process per pair (no earlier case moves it; costs the pair's setup again), or in the
     # worker after its timing (cheap; the figure may move with what earlier cases left on the heap)
     memory: Literal["fresh", "worker"] = "fresh"
+    # the attention statistics of each case's inputs (bench.measure.attention_stats) in its records
+    attention_stats: StrictBool = False
 
 
 class SweepBlock(BaseModel):
@@ -221,14 +227,15 @@ def parse_suite(data: Any, *, file: str = "<suite>", base_dir: Path | None = Non
     if len(set(model.impls)) != len(model.impls):
         raise BadInput(f"got {model.impls}; each implementation may appear once", file=file, field="impls")
 
-    cases, origins = _expand(model, file)
+    cases, origins = _expand(model, file, base_dir if base_dir is not None else Path.cwd())
     content = model.model_dump(mode="json", exclude_none=True)
     return Suite(model.name, model.description, list(model.impls), model.measure, plugins, cases,
                  content, Path(file) if base_dir is not None else None, origins)
 
 
-def _expand(model: SuiteModel, file: str) -> tuple[list[Case], list[dict[str, str]]]:
+def _expand(model: SuiteModel, file: str, base_dir: Path) -> tuple[list[Case], list[dict[str, str]]]:
     """Cartesian product of each sweep block over its defaults; duplicates (same params) dropped."""
+    resolved: dict[str, InputsSpec] = {}  # each distinct `inputs` value parsed (and its file hashed) once
     top = {k: v for k, v in model.defaults.model_dump().items() if v is not None}
     blocks: list[tuple[str, dict[str, Any], dict[str, list[Any]]]] = []
     if model.sweeps is not None:
@@ -252,6 +259,8 @@ def _expand(model: SuiteModel, file: str) -> tuple[list[Case], list[dict[str, st
             for name, (index, value) in zip(names, combo, strict=True):
                 values[name] = value
                 origin[name] = f"{prefix}sweep.{name}[{index}]"
+            if "inputs" in values:
+                values["inputs"] = _inputs_spec(values["inputs"], origin["inputs"], file, base_dir, resolved)
             case = Case(**values)
             _check_case(case, origin, file)
             if case.case_id in seen:
@@ -260,6 +269,19 @@ def _expand(model: SuiteModel, file: str) -> tuple[list[Case], list[dict[str, st
             cases.append(case)
             origins.append(origin)
     return cases, origins
+
+
+def _inputs_spec(value: Any, where: str, file: str, base_dir: Path, resolved: dict[str, InputsSpec]
+                 ) -> InputsSpec:
+    """A case's `inputs` as written, parsed and (a file) resolved against the suite's directory and hashed."""
+    key = repr(value)
+    if key not in resolved:
+        try:
+            spec = InputsSpec.parse(value)
+            resolved[key] = input_files.resolve(spec, base_dir) if spec.kind == "file" else spec
+        except InputsError as exc:
+            raise BadInput(exc.message, file=file, field=f"{where}.{exc.field}" if exc.field else where) from None
+    return resolved[key]
 
 
 def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
@@ -289,6 +311,12 @@ def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
         divisors = [d for d in range(1, case.world_size + 1) if case.world_size % d == 0]
         raise bad(f"got {case.ulysses_degree} with world_size {case.world_size}; Ulysses groups of ulysses_degree "
                   f"ranks must tile the ranks: allowed ulysses_degree {divisors} (or null)", "ulysses_degree")
+    if case.inputs.kind == "file":
+        try:
+            input_files.check_shapes(case.inputs, batch=case.batch, heads=case.heads, kv_heads=case.n_kv_heads,
+                                     head_dim=case.head_dim, seq_len=case.seq_len, q_len=case.n_queries)
+        except InputsError as exc:
+            raise BadInput(exc.message, file=file, field=where("inputs")) from None
     try:
         pattern = case.make_pattern()
         if PATTERNS[case.pattern].source != "built-in":
