@@ -100,7 +100,8 @@ def _token_ids(transformers: Any, model: str, text: str, vocab: int, max_tokens:
 
 
 def capture(model: str, text: str, *, layers: str | None = None, max_tokens: int | None = None,
-            dtype: str = "float32", console: Console | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            dtype: str = "float32", name: str | None = None, console: Console | None = None
+            ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of MODEL run once on TEXT: q, k, v of the chosen layers (module docstring)."""
     transformers = _transformers()
     torch_dtype = DTYPES[dtype]
@@ -145,7 +146,7 @@ def capture(model: str, text: str, *, layers: str | None = None, max_tokens: int
                        "attention interface: it has no attention layers this command can capture", field="MODEL")
     if missing:
         raise BadInput(f"layers {missing} of {model!r} did not call the attention interface", field="--layers")
-    metadata = {"model": str(model), "text_sha256": hashlib.sha256(body.encode("utf-8")).hexdigest(),
+    metadata = {"model": name or str(model), "text_sha256": hashlib.sha256(body.encode("utf-8")).hexdigest(),
                 "tokens": str(ids.shape[1]), "tokenizer": how, "model_type": str(config.model_type),
                 "layers": ",".join(str(layer) for layer in chosen), "dtype": dtype,
                 "scaling": ",".join(f"{layer}:{scales[layer]:.8g}" for layer in chosen),
@@ -154,7 +155,7 @@ def capture(model: str, text: str, *, layers: str | None = None, max_tokens: int
 
 
 def capture_command(model: str, text: str, out: Path, layers: str | None, max_tokens: int | None, dtype: str,
-                    console: Console) -> int:
+                    name: str | None, console: Console) -> int:
     """Write the capture to `out` (safetensors); returns the exit code."""
     from safetensors.torch import save_file
 
@@ -162,7 +163,8 @@ def capture_command(model: str, text: str, out: Path, layers: str | None, max_to
         raise BadInput(f"got {max_tokens}; allowed: a positive number of tokens", field="--max-tokens")
     if not out.parent.is_dir():
         raise BadInput("the output's directory does not exist", file=str(out), field="-o")
-    tensors, metadata = capture(model, text, layers=layers, max_tokens=max_tokens, dtype=dtype, console=console)
+    tensors, metadata = capture(model, text, layers=layers, max_tokens=max_tokens, dtype=dtype, name=name,
+                                console=console)
     save_file(tensors, str(out), metadata=metadata)
     q = tensors[tensor_name(int(metadata["layers"].split(",")[0]), "q")]
     k = tensors[tensor_name(int(metadata["layers"].split(",")[0]), "k")]

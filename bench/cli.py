@@ -137,7 +137,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     from bench.capture import capture_command
 
     return capture_command(args.model, args.text, Path(args.output), args.layers, args.max_tokens, args.dtype,
-                           make_console())
+                           args.name, make_console())
 
 
 def _add_inputs(sub: argparse._SubParsersAction) -> None:
@@ -162,6 +162,7 @@ def _add_capture(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, metavar="N", help="cut the text to its first N tokens")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the model's and the saved tensors' dtype (default float32)")
+    p.add_argument("--name", metavar="NAME", help="the model's name in the file's metadata (default: MODEL)")
     p.set_defaults(func=_cmd_capture)
 
 
