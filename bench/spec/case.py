@@ -22,7 +22,7 @@ _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # cases of older suites keep their ids (and their history) across the addition.
 LATER_FIELDS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
                                 "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None,
-                                "inputs": "random"}
+                                "inputs": "random", "selector": None, "budget": None, "threshold": None}
 CP_LAYOUTS = ("contiguous", "zigzag")
 RANDOM_INPUTS = InputsSpec()  # frozen: one shared default
 
@@ -54,6 +54,11 @@ class Case:
     ulysses_degree: int | None = None  # cp_usp: ranks per Ulysses group (None: its default)
     # q, k, v: random | structured | a captured file (bench.inputs); given as a suite writes it, held as InputsSpec
     inputs: InputsSpec = RANDOM_INPUTS
+    # data-dependent sparse attention (bench.selection): the selector choosing key units from (q, k) under the
+    # base `pattern`, and how many it keeps (a count, or a fraction of what the base allows) or the mass to reach
+    selector: str | None = None
+    budget: int | float | None = None
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.documents, list):  # frozen and hashable: lengths as a tuple
@@ -149,6 +154,8 @@ class Case:
             parts.append(f"u{self.ulysses_degree}")
         if self.inputs.label():
             parts.append(self.inputs.label())
+        if self.selector is not None:
+            parts.append(self.selection_label().replace(" ", "-"))
         parts.append(digest)
         return "-".join(parts)
 
@@ -164,8 +171,17 @@ class Case:
         q = f" q={self.q_len}" if self.q_len is not None and self.q_len != self.seq_len else ""
         kv = f"/{self.kv_heads}" if self.kv_heads is not None and self.kv_heads != self.heads else ""
         inputs = f" {self.inputs.label()}" if self.inputs.label() else ""
+        selection = f" {self.selection_label()}" if self.selector is not None else ""
         return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "
-                f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}{inputs}")
+                f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}{inputs}{selection}")
+
+    def selection_label(self) -> str:
+        """`moba k8`, `oracle_topk k0.125`, `xattention t0.9` ('' without a selector)."""
+        if self.selector is None:
+            return ""
+        amount = f" k{self.budget:g}" if self.budget is not None else ""
+        amount += f" t{self.threshold:g}" if self.threshold is not None else ""
+        return f"{self.selector}{amount}"
 
     def with_device(self, device: str) -> Case:
         return replace(self, device=device)

@@ -31,6 +31,7 @@ from bench.inputs import InputsError, InputsSpec
 from bench.inputs import files as input_files
 from bench.patterns import PATTERNS, PatternError
 from bench.plugins import load_plugin
+from bench.selection import allowed_units, get_selector, selector_names
 from bench.spec.case import Case
 
 NAME_RE = r"^[a-z0-9_-]+$"
@@ -64,6 +65,10 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     "ulysses_degree": _Pos | None,
     # random | structured | {kind: structured, <knob>: value} | {file: PATH, layer: L}: checked by bench.inputs
     "inputs": StrictStr | dict[str, Any],
+    "selector": StrictStr | None,
+    # a count of key units per query unit, or a fraction of the units the base pattern allows
+    "budget": _Pos | Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None,
+    "threshold": Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None,
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 
@@ -284,6 +289,31 @@ def _inputs_spec(value: Any, where: str, file: str, base_dir: Path, resolved: di
     return resolved[key]
 
 
+def _check_selection(case: Case, where: Any, bad: Any) -> None:
+    """A selection case: a known selector, the amount it takes, a budget the base pattern can give."""
+    if case.selector is None:
+        name = "budget" if case.budget is not None else "threshold"
+        raise bad(f"got {name} with no selector; {name} is what a selector keeps: set `selector` too "
+                  f"(known: {', '.join(selector_names())})", name)
+    try:
+        info = get_selector(case.selector)
+    except KeyError as exc:
+        raise bad(f"got {case.selector!r}; {exc.args[0].split('; ')[-1]}", "selector") from None
+    if info.takes == "budget" and case.budget is None:
+        raise bad(f"selector {info.name} keeps a budget of {info.kv_unit}s per query {info.q_unit}: set `budget` "
+                  "(a count, or a fraction in (0, 1] of the units the base pattern allows)", "budget")
+    if info.takes == "threshold" and case.threshold is None:
+        raise bad(f"selector {info.name} keeps the units reaching a share of the attention mass: set `threshold` "
+                  "in (0, 1]", "threshold")
+    if isinstance(case.budget, int) and not isinstance(case.budget, bool):
+        allowed = allowed_units(case.make_pattern(), info.q_unit_size(case), info.kv_unit_size(case))
+        most = int(allowed.sum(dim=-1).max()) if allowed.numel() else 0
+        if case.budget > most:
+            raise bad(f"got {case.budget}; the base pattern {case.pattern_label()} allows at most {most} "
+                      f"{info.kv_unit}s of {info.kv_unit_size(case)} keys per query {info.q_unit} (seq_len "
+                      f"{case.seq_len}): allowed budget 1..{most}, or a fraction in (0, 1]", "budget")
+
+
 def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
     """Constraints between fields of one case: pattern name, shapes, and what the pattern needs of its fields."""
     where = lambda name: origin.get(name, name)  # noqa: E731 - unset fields are named as themselves
@@ -311,6 +341,8 @@ def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
         divisors = [d for d in range(1, case.world_size + 1) if case.world_size % d == 0]
         raise bad(f"got {case.ulysses_degree} with world_size {case.world_size}; Ulysses groups of ulysses_degree "
                   f"ranks must tile the ranks: allowed ulysses_degree {divisors} (or null)", "ulysses_degree")
+    if case.selector is not None or case.budget is not None or case.threshold is not None:
+        _check_selection(case, where, bad)
     if case.inputs.kind == "file":
         try:
             input_files.check_shapes(case.inputs, batch=case.batch, heads=case.heads, kv_heads=case.n_kv_heads,
