@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from bench.patterns import Pattern
+    from bench.selection import Selection
 
 __all__ = ["ALL_DEVICES", "ALL_DTYPES", "Case", "Impl", "SetupPhase", "all_impls", "get", "names", "register",
            "setup_phase"]
@@ -106,6 +107,9 @@ class Impl:
     fwd_bwd: ClassVar[bool] = False  # supports mode fwd_bwd (the returned call is differentiable)
     distributed: ClassVar[bool] = False  # runs with world_size > 1 (one process per rank)
     max_seq_len: ClassVar[int | None] = None  # beyond this the implementation is impractical
+    # Data-dependent sparse attention (bench.selection): the selections it attends over, e.g.
+    # {"q_unit": (1, "block"), "kv_unit": ("block", "token")} (1: a selection per query row), or None for none.
+    selections: ClassVar[dict[str, tuple[int | str, ...]] | None] = None
 
     def unavailable(self) -> str | None:
         """Why this implementation cannot run on this machine at all (no GPU, no triton, ...), or None."""
@@ -141,6 +145,29 @@ class Impl:
         grad and the returned output must be differentiable with respect to them.
         """
         raise NotImplementedError
+
+    def prepare_selected(self, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor
+                         ) -> Callable[[Selection], Tensor | tuple[Tensor, Tensor]]:
+        """Untimed setup for attention over selections under the base `pattern`; returns `attend(selection)`,
+        timed, giving the output (B, H, q_len, D) or (output, lse (B, H, q_len) float32, -inf on empty rows).
+
+        The effective mask of row i and key j: the pattern allows (i, j) and j lies in a unit the selection keeps
+        for i's query unit (bench.selection). Differentiable in fwd_bwd; the selection is not differentiated.
+        """
+        raise NotImplementedError
+
+    def unsupported_selection(self, case: Case, q_unit: str, kv_unit: str, shared: str) -> str | None:
+        """Why this implementation cannot attend over a selection of these units and sharing (q_unit row|block,
+        kv_unit token|block|page, shared head|kv_group|all), or None. The default reads `selections`."""
+        if self.selections is None:
+            return f"{self.name} does not take selections (data-dependent sparse attention)"
+        q_units = {"row" if u == 1 else u for u in self.selections.get("q_unit", ())}
+        if q_unit not in q_units:
+            return f"{self.name} takes selections per {' or '.join(sorted(map(str, q_units)))}, not per query {q_unit}"
+        if kv_unit not in self.selections.get("kv_unit", ()):
+            return (f"{self.name} takes selections of {' or '.join(map(str, self.selections.get('kv_unit', ())))} "
+                    f"units, not {kv_unit}s")
+        return None
 
     def tf32(self, case: Case) -> bool:
         """Whether float32 inputs go through TF32 matmuls (looser tolerance, docs/DESIGN.md)."""

@@ -6,6 +6,10 @@ Grouped-query attention without copying K or V: the query heads of one KV head a
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from bench.registry import Impl, register, setup_phase
 from impls.common import accum_dtype, masked_softmax, masked_softmax_, softmax_scale
 
@@ -15,6 +19,7 @@ class Dense(Impl):
     name = "dense"
     description = "materialised scores + dense mask + softmax (O(N^2) memory)"
     fwd_bwd = True
+    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
         # the (N, N) bool mask and the float32 (B, H, N, N) scores; low precision also holds the matmul's
@@ -41,3 +46,25 @@ class Dense(Impl):
             return out.view(b, h, nq, d).to(q.dtype)
 
         return call
+
+    def prepare_selected(self, case, pattern, q, k, v):
+        """Attention over a selection: the scores masked by the effective (B, H, q_len, N) mask, with the rows'
+        log-sum-exp."""
+        with setup_phase("mask"):
+            base = pattern.dense_mask().to(q.device)  # (Nq, N)
+        scale = softmax_scale(case.head_dim)
+        acc = accum_dtype(q.dtype)
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+
+        def attend(selection):
+            mask = selection.dense_mask(base, h, hkv)  # (B, H, Nq, N)
+            grouped = q.reshape(b, hkv, h // hkv * nq, d)
+            scores = (grouped @ k.transpose(-1, -2)).to(acc).view(b, h, nq, n) * scale
+            scores = scores.masked_fill(~mask, -math.inf)
+            lse = torch.logsumexp(scores, dim=-1)  # (B, H, Nq); -inf on rows without a key
+            probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+            out = probs.to(v.dtype).view(b, hkv, -1, n) @ v
+            return out.view(b, h, nq, d).to(q.dtype), lse
+
+        return attend

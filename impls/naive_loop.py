@@ -23,6 +23,7 @@ class NaiveLoop(Impl):
     name = "naive_loop"
     description = "seed 001's per-query Python loop over an (N, N) score matrix, -inf outside the pattern"
     fwd_bwd = True
+    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
         return 2 * case.score_bytes()  # the float32 (B, H, N, N) matrix and its scaled copy under softmax
@@ -67,3 +68,26 @@ class NaiveLoop(Impl):
             return out.view(b, h, nq, d).to(q.dtype)
 
         return call
+
+    def prepare_selected(self, case, pattern, q, k, v):
+        """Attention over a selection, row by row: each query row's scores against every key, -inf outside the
+        row's effective mask (per batch and head, so no per-row key list is precomputed)."""
+        with setup_phase("mask"):
+            base = pattern.dense_mask().to(q.device)  # (Nq, N)
+        scale = softmax_scale(case.head_dim)
+        acc = accum_dtype(q.dtype)
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+
+        def attend(selection):
+            mask = selection.dense_mask(base, h, hkv)  # (B, H, Nq, N)
+            rows = []
+            for i in range(nq):
+                row = q[:, :, i, :].reshape(b, hkv, h // hkv, d)  # (B, Hkv, G, D)
+                scores = (row @ k.transpose(-2, -1)).reshape(b, h, n).to(acc)
+                rows.append(scores.masked_fill(~mask[:, :, i], -math.inf))
+            attn = torch.softmax(torch.stack(rows, dim=2) * scale, dim=-1).nan_to_num(0.0)
+            out = attn.view(b, hkv, -1, n) @ v.to(acc)
+            return out.view(b, h, nq, d).to(q.dtype)
+
+        return attend

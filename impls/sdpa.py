@@ -16,6 +16,7 @@ class Sdpa(Impl):
     name = "sdpa"
     description = "torch scaled_dot_product_attention with a boolean (q_len, N) mask; enable_gqa for GQA"
     fwd_bwd = True
+    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
         return case.n_queries * case.seq_len  # the bool mask; the kernel PyTorch picks may need more, never less
@@ -38,3 +39,17 @@ class Sdpa(Impl):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
         return call
+
+    def prepare_selected(self, case, pattern, q, k, v):
+        """Attention over a selection: SDPA with the effective (B, H, q_len, N) boolean mask."""
+        with setup_phase("mask"):
+            base = pattern.dense_mask().to(q.device)  # (Nq, N)
+        h, hkv = q.shape[1], k.shape[1]
+
+        def attend(selection):
+            mask = selection.dense_mask(base, h, hkv)  # (B, H, Nq, N)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != hkv)
+            # rows without a key: SDPA leaves them undefined, the contract says zeros
+            return out.nan_to_num(0.0) * mask.any(dim=-1, keepdim=True).to(q.dtype)
+
+        return attend

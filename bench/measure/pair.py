@@ -34,9 +34,19 @@ from bench.measure.attention_stats import attention_statistics
 from bench.measure.calibrate import gpu_identity, peak_for
 from bench.measure.check import check_against_oracle, checked_rows
 from bench.measure.env import device_description
+from bench.measure.fidelity import fidelity
 from bench.measure.memory import measure_peak, track_allocations
 from bench.measure.memory_model import does_not_fit
 from bench.measure.nvml import device_monitor
+from bench.measure.selected import (
+    SelectedSteps,
+    case_selection,
+    check_selected,
+    prepare_selected_call,
+    selected_steps,
+    selection_record,
+    split_output,
+)
 from bench.measure.steps import (
     Phase,
     call_inputs,
@@ -51,10 +61,11 @@ from bench.measure.steps import (
     timed_step,
 )
 from bench.measure.task import Task
-from bench.measure.timing import Timer, measure, summarize, timer_for
+from bench.measure.timing import Timer, TimingPolicy, measure, summarize, timer_for
 from bench.patterns import Pattern
 from bench.results.records import Record
 from bench.results.store import utc_now
+from bench.selection import Selection, SelectionError, SelectorInfo
 from bench.spec.case import Case
 
 # {"answer": memory dict} from `memory_alone(task)` run in a fresh process, or {"error": why not}
@@ -118,6 +129,7 @@ class PairSession:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.samples: list[float] = []
+        self.selected: tuple[SelectorInfo, Selection, SelectedSteps] | None = None
 
     def _finish(self, **fields: Any) -> Record:
         if fields.get("status") == "failed":
@@ -159,17 +171,26 @@ class PairSession:
             if self.task.measure.attention_stats:
                 self.current = "attention statistics"
                 self.base["attention_stats"] = case_attention_stats(case, pattern, cache)
-            self.current = "prepare"
-            prepared = prepare_call(impl, case, pattern, q, k, v, self._phase)
+            if case.selector is not None:
+                self.current = "selection"
+                info, selection = case_selection(case, q, k, cache.oracle)
+                self.current = "prepare"
+                attend, prepared = prepare_selected_call(impl, case, pattern, q, k, v, selection, self._phase)
+            else:
+                self.current = "prepare"
+                prepared = prepare_call(impl, case, pattern, q, k, v, self._phase)
         except Unavailable as exc:
             return self._finish(status="skipped", reason=exc.reason)
+        except SelectionError as exc:
+            return self._finish(status="failed", reason=f"invalid selection from selector {case.selector}: {exc}")
         except Exception as exc:
             if self.current == "pattern":
                 cache.key = None  # a pattern that failed half-way is not kept for the next impl
             return self.failed(exc)
         self.base.update(setup_s=prepared.setup_s, setup=prepared.setup, config=prepared.config,
                          interpreter=bool((prepared.config or {}).get("interpreter", False)))
-        out = prepared.first_output
+        result = prepared.first_output
+        out = split_output(result)[0] if case.selector is not None else result
         expected = case.q_shape()
         if not isinstance(out, Tensor) or tuple(out.shape) != expected:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
@@ -179,14 +200,30 @@ class PairSession:
             self.current = "check"
             self.phase(self.current)
             started = time.perf_counter()
-            self.error, self.problem = check_against_oracle(case, impl, pattern, q, k, v, out, grad_out,
-                                                            full=self.task.measure.check, oracle=cache.oracle)
+            if case.selector is not None:
+                self.error, self.problem = check_selected(case, impl, pattern, selection, q, k, v, result,
+                                                          grad_out, full=self.task.measure.check,
+                                                          oracle=cache.oracle)
+            else:
+                self.error, self.problem = check_against_oracle(case, impl, pattern, q, k, v, out, grad_out,
+                                                                full=self.task.measure.check, oracle=cache.oracle)
             self.base["check_s"] = time.perf_counter() - started
+            if case.selector is not None:
+                self.current = "fidelity"
+                self.phase(self.current)
+                if "fidelity" not in cache.oracle:
+                    assert cache.inputs is not None
+                    cache.oracle["fidelity"] = fidelity(selection, pattern, cache.inputs, case.seed)
+                self.base["fidelity"] = cache.oracle["fidelity"]
         except Exception as exc:
             return self.failed(exc)
-        del out, prepared.first_output
+        del out, result, prepared.first_output
         self.q, self.k, self.v = q, k, v
-        self.step = timed_step(prepared.fn, q, k, v, grad_out)
+        if case.selector is not None:
+            self.selected = (info, selection, selected_steps(info, case, attend, selection, q, k, v, grad_out))
+            self.step = self.selected[2].end_to_end
+        else:
+            self.step = timed_step(prepared.fn, q, k, v, grad_out)
         if self.timer is None:
             self.timer = timer_for(case.device)
         return None
@@ -203,8 +240,24 @@ class PairSession:
         monitor = device_monitor(self.case.device)  # GPU clocks, temperature, throttling around the timing
         if monitor is not None:
             monitor.start()
-        time_s = measure(self.step, policy_of(self.task.measure), self.timer)
+        policy = policy_of(self.task.measure)
+        selected = self.selected is not None
+        time_s = self._time_selected(policy) if selected else measure(self.step, policy, self.timer)
         return time_s, monitor.stop() if monitor is not None else None
+
+    def _time_selected(self, policy: TimingPolicy) -> dict[str, Any]:
+        """The selector alone, the attention over the fixed selection, and end to end (the pair's time_s)."""
+        assert self.selected is not None and self.timer is not None
+        info, selection, steps = self.selected
+        # a reference selector computes dense attention: one call says what it costs
+        once = TimingPolicy(warmup=0, repeat=1, max_time_s=1e-9) if info.reference else policy
+        selector_time = measure(steps.selector, once, self.timer)
+        attention_time = measure(steps.attention, policy, self.timer)
+        end_to_end = measure(steps.end_to_end, once, self.timer)
+        fid = self.base.get("fidelity") or {}
+        self.base["selection"] = selection_record(info, self.case, selection, fid.get("density"), selector_time,
+                                                  attention_time, end_to_end)
+        return end_to_end
 
     def warm_up(self, calls: int) -> None:
         assert self.step is not None and self.timer is not None
@@ -276,8 +329,13 @@ def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:
     impl = registry.get(task.impl)
     pattern = case.make_pattern()
     q, k, v, grad_out = call_inputs(case)
-    prepared = prepare_call(impl, case, pattern, q, k, v)
-    step = timed_step(prepared.fn, q, k, v, grad_out)
+    if case.selector is not None:  # end to end: the selector, then the attention over what it chose
+        info, selection = case_selection(case, q, k, {})
+        attend, prepared = prepare_selected_call(impl, case, pattern, q, k, v, selection, no_phase)
+        step = selected_steps(info, case, attend, selection, q, k, v, grad_out).end_to_end
+    else:
+        prepared = prepare_call(impl, case, pattern, q, k, v)
+        step = timed_step(prepared.fn, q, k, v, grad_out)
     del prepared
     if grad_out is not None:
         step()  # the first call ran forward only: the measured one is not the first backward

@@ -10,7 +10,7 @@ dq, dk and dv of the full problem equal those of the sampled one exactly.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +68,16 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
                          f"{pattern.seq_len}); q holds the last q_len positions")
 
 
-def reference_weights(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | None = None
-                      ) -> Iterator[tuple[Tensor, Tensor]]:
-    """The oracle's float64 attention weights, chunk by chunk of query `rows` (default: all): yields (r, weights)
-    with r the chunk's rows (c,) and weights (B, H, c, N), zero on masked keys (a row with no allowed key is all
-    zeros). Differentiable with respect to q and k."""
+# A mask beyond the pattern's, per (batch, head): rows (c,) -> bool (B, H, c, N) (a selection's effective mask).
+RowMask = Callable[[Tensor], Tensor]
+
+
+def reference_chunks(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | None = None,
+                     extra_mask: RowMask | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """The oracle's float64 attention weights, chunk by chunk of query `rows` (default: all): yields
+    (r, weights, lse) with r the chunk's rows (c,), weights (B, H, c, N), zero on masked keys (a row with no
+    allowed key is all zeros), and lse (B, H, c) the log-sum-exp of the row's allowed scaled scores (-inf for a
+    row without keys). `extra_mask` narrows the pattern per (batch, head). Differentiable in q and k."""
     check_shapes(q, k, k, pattern)
     b, h, nq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
@@ -87,6 +92,8 @@ def reference_weights(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | Non
         r = rows[start : start + chunk]
         c = len(r)
         mask = pattern.mask(r[:, None], keys[None, :]).to(device)  # (c, N)
+        if extra_mask is not None:
+            mask = mask & extra_mask(r).to(device)  # (B, H, c, N)
         # The query heads of one KV head share its keys: (B, Hkv, G*c, D) against (B, Hkv, N, D), no copy of K.
         qg = q64[:, :, r.to(device)].reshape(b, hkv, group * c, d)
         scores = (torch.matmul(qg, k64.transpose(-1, -2)) * scale).view(b, h, c, n)
@@ -95,26 +102,44 @@ def reference_weights(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | Non
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         weights = torch.exp(scores - peak)  # exp(-inf) = 0: masked keys and empty rows get no weight
         denom = weights.sum(dim=-1, keepdim=True)
-        yield r, weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+        lse = torch.where(denom > 0, peak + denom.clamp_min(1e-300).log(), -math.inf).squeeze(-1)
+        yield r, weights / torch.where(denom > 0, denom, torch.ones_like(denom)), lse
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None) -> Tensor:
+def reference_weights(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | None = None,
+                      extra_mask: RowMask | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+    """`reference_chunks` without the log-sum-exp: yields (rows (c,), weights (B, H, c, N))."""
+    for r, weights, _ in reference_chunks(q, k, pattern, rows, extra_mask):
+        yield r, weights
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None,
+                        extra_mask: RowMask | None = None) -> Tensor:
     """Attention in float64 for query `rows` (default: all): (B, H, len(rows), D).
 
     q (B, H, q_len, D), k and v (B, Hkv, seq_len, D) of any float dtype and device, query head h reading KV
     head h // (H / Hkv); the result is float64 on the same device. A query row with no allowed key gives
     zeros. Differentiable with respect to q, k, v (dk, dv summed over each KV head's query group).
     """
+    return reference_attention_lse(q, k, v, pattern, rows, extra_mask)[0]
+
+
+def reference_attention_lse(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None,
+                            extra_mask: RowMask | None = None) -> tuple[Tensor, Tensor]:
+    """(`reference_attention`'s output, its log-sum-exp (B, H, len(rows)) in float64, -inf for empty rows)."""
     check_shapes(q, k, v, pattern)
     b, h, _, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = h // hkv
     v64 = v.double()
-    outs = []
-    for r, weights in reference_weights(q, k, pattern, rows):
+    outs, lses = [], []
+    for r, weights, lse in reference_chunks(q, k, pattern, rows, extra_mask):
         c = len(r)
         outs.append(torch.matmul(weights.reshape(b, hkv, group * c, n), v64).view(b, h, c, d))
-    return torch.cat(outs, dim=2) if outs else q.double().new_zeros(b, h, 0, d)
+        lses.append(lse)
+    if not outs:
+        return q.double().new_zeros(b, h, 0, d), q.double().new_zeros(b, h, 0)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from bench.measure.timing import TimingPolicy
 from bench.patterns import Pattern
 from bench.registry import SetupClock
 from bench.results.records import SetupTimes
+from bench.selection import get_selector
 from bench.spec.case import Case
 
 Phase = Callable[[str], None]
@@ -38,6 +39,9 @@ def skip_reason(impl: registry.Impl, case: Case) -> str | None:
     reason = impl.unavailable() or impl.unsupported(case)
     if reason is None and case.device == "cuda" and not torch.cuda.is_available():
         reason = "no CUDA device visible"
+    if reason is None and case.selector is not None:
+        info = get_selector(case.selector)
+        reason = impl.unsupported_selection(case, info.q_unit, info.kv_unit, info.shared)
     return reason
 
 

@@ -130,6 +130,7 @@ class ErrorInfo(BaseModel):
     rows_checked: int
     nonfinite: int = 0
     grads: dict[str, GradError] | None = None  # dq, dk, dv in mode fwd_bwd
+    lse_max_abs: float | None = None  # selections: the log-sum-exp against the oracle's, where the impl returns it
 
 
 class PeakInfo(BaseModel):
@@ -189,6 +190,49 @@ class AttentionStats(BaseModel):
     rows: int
 
 
+class Spread(BaseModel):
+    """A figure over (batch, head, query row): mean, 5th percentile, min and max."""
+
+    model_config = _STRICT
+    mean: float | None
+    p5: float | None
+    min: float | None
+    max: float | None
+
+
+class SelectionInfo(BaseModel):
+    """A selection case's selector and its cost (bench.measure.selected): units, sharing, what it kept, the
+    selector alone and the attention over a fixed selection (the record's time_s is end to end)."""
+
+    model_config = _STRICT
+    selector: str
+    q_unit: int  # query rows per query unit
+    kv_unit: int  # keys per selected index
+    shared: Literal["head", "kv_group", "all"]
+    budget: int | float | None = None
+    threshold: float | None = None
+    units_mean: float  # key units kept per query unit, on average
+    density: float | None = None  # effective pairs over base pairs (fidelity's rows)
+    reference: bool = False  # an oracle selector: timed by one call, the cost of dense attention
+    time_s: TimeStats  # the selector alone
+    attention_time_s: TimeStats  # attend over the fixed selection
+    share: float | None = None  # selector median over end-to-end median
+
+
+class FidelityInfo(BaseModel):
+    """How close a selection's attention is to dense attention under the base pattern (bench.measure.fidelity)."""
+
+    model_config = _STRICT
+    recall: Spread
+    lse_gap: Spread
+    oracle_recall: Spread
+    cosine: Spread
+    output_rel_l2: float | None
+    needles_found: float | None = None
+    density: float | None = None
+    rows: int
+
+
 class Record(BaseModel):
     model_config = _STRICT
     schema_version: int = SCHEMA_VERSION
@@ -223,6 +267,8 @@ class Record(BaseModel):
     memory_s: float | None = None  # of which the memory measurement (on CPU: the case again, in a fresh process)
     inputs: InputsInfo | None = None  # where q, k, v came from (null in records written before inputs existed)
     attention_stats: AttentionStats | None = None  # with measure.attention_stats
+    selection: SelectionInfo | None = None  # a case with a selector
+    fidelity: FidelityInfo | None = None  # a case with a selector
 
     @model_validator(mode="before")
     @classmethod

@@ -108,6 +108,12 @@ class Selection:
         keys = torch.arange(seq_len, device=units.device) // self.kv_unit
         return per_row[..., keys]
 
+    def dense_mask(self, base: Tensor, heads: int, kv_heads: int) -> Tensor:
+        """bool (B, H, q_len, N): the effective mask over every row, `base` the pattern's dense (q_len, N) mask on
+        the selection's device (what implementations that mask dense scores use)."""
+        rows = torch.arange(base.shape[0], device=self.indices.device)
+        return self.mask_rows(rows, base.shape[1], heads, kv_heads) & base
+
     def counts(self) -> Tensor:
         """int64 (B, H_sel, query units): the units kept per query unit (padding not counted)."""
         return (self.indices >= 0).sum(dim=-1)

@@ -1,0 +1,180 @@
+"""The steps of a selection case (a case with a `selector`): one selection, three timings, an exact check.
+
+A data-dependent sparse attention costs a selection step and the attention over what it selected, and its output
+is not dense attention's. For each (case, implementation):
+
+1. the case's selection: the selector run once on the case's inputs (untimed, shared by the case's pairs) and
+   validated (range, duplicates, padding, shape): an invalid one ends the pair `failed`, naming the first bad
+   index;
+2. the implementation's `prepare_selected` (untimed) and its first `attend(selection)`;
+3. the check: the attention step against the float64 oracle under the effective mask (the base pattern AND the
+   selection), output and log-sum-exp where the implementation returns one, gradients in fwd_bwd;
+4. three timings: the selector alone, `attend` over the fixed selection, and end to end (`attend(selector(q,
+   k))`, the record's `time_s`). Reference selectors (the oracles: dense attention's cost) are timed by one call;
+5. fidelity to dense attention (bench.measure.fidelity), once per case.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bench import registry
+from bench.measure.check import checked_rows, rows_only
+from bench.measure.reference import compare, reference_attention_lse, tolerance_for
+from bench.measure.steps import Phase, Prepared, sync_device
+from bench.patterns import Pattern
+from bench.registry import SetupClock
+from bench.results.records import SetupTimes
+from bench.selection import Selection, SelectorInfo, effective_mask, get_selector, run_selector
+from bench.spec.case import Case
+
+
+def case_selection(case: Case, q: Tensor, k: Tensor, oracle: dict[str, Any]) -> tuple[SelectorInfo, Selection]:
+    """The case's selection, made and validated once (cached in `oracle`). Raises SelectionError."""
+    info = get_selector(str(case.selector))
+    if "selection" not in oracle:
+        selection = run_selector(info, q, k, case)
+        selection.validate(case.batch, case.heads, case.n_kv_heads, case.n_queries, case.seq_len)
+        oracle["selection"] = selection
+    return info, oracle["selection"]
+
+
+def split_output(result: Any) -> tuple[Any, Tensor | None]:
+    """attend's result as (output, lse or None)."""
+    if isinstance(result, tuple) and len(result) == 2:
+        return result[0], result[1]
+    return result, None
+
+
+def prepare_selected_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
+                          selection: Selection, phase: Phase) -> tuple[Callable[[Selection], Any], Prepared]:
+    """(attend, the Prepared of attend over the fixed selection after its first call). Raises what they raise."""
+    import time
+
+    clock = SetupClock()
+    t0 = time.perf_counter()
+    with clock:
+        phase("prepare")
+        attend = impl.prepare_selected(case, pattern.fresh(), q, k, v)
+        phase("first call")
+        first_start = time.perf_counter()
+        marked_before = clock.marked_s()
+        out = attend(selection)
+        sync_device(case.device)
+        first_s = time.perf_counter() - first_start - (clock.marked_s() - marked_before)
+    setup = SetupTimes(mask_s=clock.total("mask"), compile_s=clock.total("compile"), first_call_s=first_s)
+    fixed = Prepared(lambda: split_output(attend(selection))[0], out, time.perf_counter() - t0, setup,
+                     impl.record_extras() or None)
+    return attend, fixed
+
+
+def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection: Selection, q: Tensor, k: Tensor,
+                   v: Tensor, result: Any, grad_out: Tensor | None, full: bool, oracle: dict[str, Any]
+                   ) -> tuple[dict[str, Any], str | None]:
+    """(error, problem or None) of the attention step against the float64 oracle under the effective mask."""
+    out, lse = split_output(result)
+    tol = tolerance_for(case.dtype, impl.tf32(case))
+    rows = checked_rows(case)
+    heads, kv_heads = case.heads, case.n_kv_heads
+
+    def selected(r: Tensor) -> Tensor:
+        return effective_mask(selection, pattern, r, heads, kv_heads)
+
+    if "selected_out" not in oracle:
+        with torch.no_grad():
+            oracle["selected_out"] = reference_attention_lse(q.detach(), k.detach(), v.detach(), pattern, rows,
+                                                             selected)
+    expected_out, expected_lse = oracle["selected_out"]
+    if not full:
+        nonfinite = int((~torch.isfinite(out.detach())).sum())
+        return ({"max_abs": None, "rel_l2": None, "tolerance": tol, "rows_checked": 0, "nonfinite": nonfinite},
+                f"output has {nonfinite} NaN/Inf values" if nonfinite else None)
+    stats = compare(out.detach()[:, :, rows.to(out.device)], expected_out, tol)
+    error: dict[str, Any] = {"max_abs": stats.max_abs, "rel_l2": stats.rel_l2, "tolerance": tol,
+                             "rows_checked": stats.rows_checked, "nonfinite": stats.nonfinite}
+    problem = None if stats.passed else (f"output has {stats.nonfinite} NaN/Inf values" if stats.nonfinite else
+                                         f"output off the float64 oracle under the selection: rel_l2 "
+                                         f"{stats.rel_l2:.3g} > tolerance {tol:g}")
+    if lse is not None:
+        error["lse_max_abs"], lse_problem = _lse_error(lse.detach()[:, :, rows.to(lse.device)], expected_lse, tol)
+        problem = problem or lse_problem
+    if grad_out is not None and full:
+        g = rows_only(case, grad_out, rows)
+        grads = torch.autograd.grad(out, (q, k, v), g, allow_unused=True)
+        if "selected_grads" not in oracle:
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            ref, _ = reference_attention_lse(q64, k64, v64, pattern, rows, selected)
+            oracle["selected_grads"] = torch.autograd.grad(ref, (q64, k64, v64), g[:, :, rows.to(g.device)].double())
+        error["grads"] = {}
+        for name, actual, expected in zip(("dq", "dk", "dv"), grads, oracle["selected_grads"], strict=True):
+            s = compare(torch.zeros_like(expected) if actual is None else actual, expected, tol)
+            error["grads"][name] = {"max_abs": s.max_abs, "rel_l2": s.rel_l2, "tolerance": tol,
+                                    "nonfinite": s.nonfinite}
+            if problem is None and not s.passed:
+                problem = f"{name} off the float64 oracle under the selection: rel_l2 {s.rel_l2:.3g} > {tol:g}"
+    return error, problem
+
+
+def _lse_error(actual: Tensor, expected: Tensor, tol: float) -> tuple[float | None, str | None]:
+    """Largest |difference| of the log-sum-exps; empty rows must be -inf on both sides. The allowance is the
+    output's tolerance (an lse error e scales the row's weights by e^e, a relative error of about e)."""
+    a = actual.to(torch.float64).cpu()
+    e = expected.to(torch.float64).cpu()
+    empty = torch.isinf(e) & (e < 0)
+    if bool((~torch.isinf(a[empty]) | (a[empty] > 0)).any()):
+        return None, "lse of a row without keys is not -inf"
+    finite = ~empty
+    if bool((~torch.isfinite(a[finite])).any()):
+        return None, "lse has NaN/Inf values on rows with keys"
+    worst = float((a[finite] - e[finite]).abs().max()) if bool(finite.any()) else 0.0
+    limit = max(tol, 1e-6) * 10
+    return worst, (f"lse off the float64 oracle by {worst:.3g} > {limit:g}" if worst > limit else None)
+
+
+@dataclass
+class SelectedSteps:
+    """The three timed calls of a selection pair (fwd_bwd: the attention and end to end with their backward)."""
+
+    selector: Callable[[], Any]
+    attention: Callable[[], Any]
+    end_to_end: Callable[[], Any]
+
+
+def selected_steps(info: SelectorInfo, case: Case, attend: Callable[[Selection], Any], selection: Selection,
+                   q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor | None) -> SelectedSteps:
+    def select() -> Selection:
+        return run_selector(info, q, k, case)
+
+    def forward_over(chosen: Selection) -> Tensor:
+        return split_output(attend(chosen))[0]
+
+    if grad_out is None:
+        return SelectedSteps(select, lambda: forward_over(selection), lambda: forward_over(select()))
+
+    def backward_over(chosen_fn: Callable[[], Selection]) -> Callable[[], None]:
+        def step() -> None:
+            q.grad = k.grad = v.grad = None
+            forward_over(chosen_fn()).backward(grad_out)
+
+        return step
+
+    return SelectedSteps(select, backward_over(lambda: selection), backward_over(select))
+
+
+def selection_record(info: SelectorInfo, case: Case, selection: Selection, density: float | None,
+                     selector_time: dict[str, Any], attention_time: dict[str, Any],
+                     end_to_end: dict[str, Any]) -> dict[str, Any]:
+    """The record's `selection` block."""
+    counts = selection.counts()
+    share = selector_time["median"] / end_to_end["median"] if end_to_end["median"] > 0 else None
+    return {"selector": info.name, "q_unit": selection.q_unit, "kv_unit": selection.kv_unit,
+            "shared": selection.shared, "budget": case.budget, "threshold": case.threshold,
+            "units_mean": float(counts.to(torch.float64).mean()) if counts.numel() else 0.0,
+            "density": density, "reference": info.reference, "time_s": selector_time,
+            "attention_time_s": attention_time, "share": share if share is None or math.isfinite(share) else None}
