@@ -97,33 +97,41 @@ def _head_forward(layout: CsrLayout, q: Tensor, k: Tensor, v1: Tensor, scale: fl
     return out, expd, sums
 
 
+def _layout_of(layouts: CsrLayout | tuple[CsrLayout, ...], head: int) -> CsrLayout:
+    """The CSR layout of query head `head` (of B*H): one shared by all, or one per head (a selection's)."""
+    return layouts[head] if isinstance(layouts, tuple) else layouts
+
+
 class CsrAttention(torch.autograd.Function):
-    """Differentiable CSR attention: q (BH, q_len, D), k, v (BHkv, N, D); query head i reads KV head i // G."""
+    """Differentiable CSR attention: q (BH, q_len, D), k, v (BHkv, N, D); query head i reads KV head i // G and
+    the pattern's layout, or its own of a tuple of B*H layouts (a selection per head)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: CsrLayout, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: CsrLayout | tuple[CsrLayout, ...],
+                scale: float) -> Tensor:
         keep = any(ctx.needs_input_grad[:3])
         group = q.shape[0] // k.shape[0]
         # [V, 1] once per KV head: the sparse x dense product then also gives each row's sum
         v1 = torch.cat([v, v.new_ones(v.shape[0], v.shape[1], 1)], dim=2)  # (BHkv, N, D + 1)
 
         def head(h: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-            out, expd, sums = _head_forward(layout, q[h], k[h // group], v1[h // group], scale)
+            out, expd, sums = _head_forward(_layout_of(layout, h), q[h], k[h // group], v1[h // group], scale)
             return (out, expd, sums) if keep else (out, None, None)  # inference keeps no nnz-sized values
 
         heads = run_steps([lambda h=h: head(h) for h in range(q.shape[0])], q.device)
         out = torch.stack([o for o, _, _ in heads])
-        if keep:
-            ctx.save_for_backward(q, k, v, out, torch.stack([e for _, e, _ in heads]),  # type: ignore[misc]
-                                  torch.stack([s for _, _, s in heads]))  # type: ignore[misc]
+        if keep:  # per-head layouts hold different nnz: their values stay a list
+            ctx.expds = [e for _, e, _ in heads]
+            ctx.save_for_backward(q, k, v, out, torch.stack([s for _, _, s in heads]))  # type: ignore[misc]
         ctx.layout, ctx.scale = layout, scale
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, expds, sums = ctx.saved_tensors
-        layout: CsrLayout = ctx.layout
+        q, k, v, out, sums = ctx.saved_tensors
+        expds = ctx.expds
+        layouts: CsrLayout | tuple[CsrLayout, ...] = ctx.layout
         scale: float = ctx.scale
         group = q.shape[0] // k.shape[0]
         inv_sums = torch.where(sums > 0, 1.0 / sums, torch.zeros_like(sums))
@@ -136,6 +144,7 @@ class CsrAttention(torch.autograd.Function):
 
         def grads(h: int, kv: int) -> tuple[Tensor, Tensor]:
             """Writes query head h's dQ; returns its (dK, dV) contributions (N, D) to KV head kv."""
+            layout = _layout_of(layouts, h)
             probs = expds[h] * layout.expand_rows(inv_sums[h])  # (nnz,)
             d_out = grad_out[h]
             d_v = layout.matrix(probs, transposed=True) @ d_out  # (N, D)
@@ -168,6 +177,7 @@ class Csr(Impl):
     name = "csr"
     description = "torch sparse CSR: sampled_addmm scores at allowed pairs, our row softmax, CSR x dense"
     fwd_bwd = True
+    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def prepare(self, case, pattern, q, k, v):
         b, h, nq, d = q.shape
@@ -187,5 +197,38 @@ class Csr(Impl):
 
         return call
 
+    def prepare_selected(self, case, pattern, q, k, v):
+        """Attention over a selection: a CSR layout per selection head from the effective mask, built in the call
+        (a selection changes every call), then the same kernels."""
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        with setup_phase("mask"):
+            base = pattern.dense_mask().to(q.device)  # (Nq, N)
+        scale = softmax_scale(case.head_dim)
+        acc = accum_dtype(q.dtype)
+        self._nnz = None
+
+        def attend(selection):
+            heads_of = selection.head_index(h, hkv).tolist()  # query head -> selection head
+            h_sel = selection.indices.shape[1]
+            # one mask per selection head (as many heads as it has, each its own "group")
+            mask = selection.dense_mask(base, h_sel, h_sel)  # (B, H_sel, Nq, N)
+            layouts: list[CsrLayout] = []
+            for bi in range(b):
+                own: dict[int, CsrLayout] = {}
+                for hh in range(h):
+                    s = heads_of[hh]
+                    if s not in own:
+                        rows = mask[bi, s].cpu()  # (Nq, N)
+                        crow = torch.zeros(nq + 1, dtype=torch.int64)
+                        crow[1:] = rows.sum(dim=1).cumsum(0)
+                        own[s] = CsrLayout.of(crow, rows.nonzero()[:, 1], nq, n, q.device)
+                    layouts.append(own[s])
+            out = CsrAttention.apply(q.reshape(b * h, nq, d).to(acc), k.reshape(b * hkv, n, d).to(acc),
+                                     v.reshape(b * hkv, n, d).to(acc), tuple(layouts), scale)
+            return out.view(q.shape).to(q.dtype)
+
+        return attend
+
     def record_extras(self) -> dict[str, object]:
-        return {"nnz_per_head": self._nnz}  # allowed pairs per query head of the q_len x seq_len matrix
+        return {"nnz_per_head": self._nnz} if self._nnz is not None else {}  # allowed pairs per query head of the q_len x seq_len matrix
