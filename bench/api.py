@@ -6,6 +6,7 @@ This is a public module (docs/DESIGN.md "Implementations"): tests, notebooks and
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ from torch import Tensor
 from bench import registry
 from bench.errors import Unavailable
 from bench.measure.reference import check_shapes
+from bench.measure.selected import split_output
 from bench.measure.steps import prepare_call, skip_reason
 from bench.patterns import Pattern
 from bench.results.records import Record
+from bench.selection import SHARED, Selection, get_selector, run_selector, unit_size
 from bench.spec.case import DTYPES, Case
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -45,12 +48,17 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
         raise ValueError("q, k, v must share dtype and device")
 
 
-def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> Tensor:
+def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
+              selection: Selection | Tensor | None = None, *, q_unit: int | str = "block",
+              kv_unit: int | str = "block", shared: str = "head", block_size: int | None = None) -> Tensor:
     """Attention under `pattern` with scale 1/sqrt(D), by implementation `impl_name`: (B, H, q_len, D).
 
     q (B, H, q_len, D); k, v (B, Hkv, seq_len, D) with H % Hkv == 0, query head h reading KV head
     h // (H / Hkv). Differentiable when q, k or v require grad and the implementation supports fwd_bwd.
-    Raises `bench.errors.Unavailable` with the reason when the implementation cannot run here or this case.
+    `selection`: attend only over the key units a selector chose (bench.selection), a `Selection` or its indices
+    int32 (B, H_sel, query units, K) with `q_unit`, `kv_unit` (1, a number of keys, or row/token, block, page)
+    and `shared`; `pattern` is then the base pattern. Raises `bench.errors.Unavailable` with the reason when the
+    implementation cannot run here or this case, ValueError for a bad selection.
     """
     check_inputs(q, k, v, pattern)
     try:
@@ -59,10 +67,44 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern)
         raise ValueError(exc.args[0]) from None
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     case = case_for(q, pattern, "fwd_bwd" if wants_grad else "fwd", k)
+    if block_size is not None:
+        case = replace(case, block_size=block_size)
     reason = skip_reason(impl, case)
     if reason:
         raise Unavailable(reason)
-    return prepare_call(impl, case, pattern, q, k, v).first_output
+    if selection is None:
+        return prepare_call(impl, case, pattern, q, k, v).first_output
+    chosen = as_selection(selection, case, q_unit, kv_unit, shared)
+    reason = impl.unsupported_selection(case, "row" if chosen.q_unit == 1 else "block",
+                                        _kv_unit_name(chosen.kv_unit, case.block_size), chosen.shared)
+    if reason:
+        raise Unavailable(reason)
+    attend = impl.prepare_selected(case, pattern, q, k, v)
+    return split_output(attend(chosen))[0]
+
+
+def _kv_unit_name(size: int, block_size: int) -> str:
+    return "token" if size == 1 else "block" if size == block_size else "page"
+
+
+def as_selection(selection: Selection | Tensor, case: Case, q_unit: int | str, kv_unit: int | str,
+                 shared: str) -> Selection:
+    """A validated Selection from a Selection or indices with their units (ValueError naming the problem)."""
+    if not isinstance(selection, Selection):
+        sizes = [unit_size(u, case.block_size) if isinstance(u, str) else int(u) for u in (q_unit, kv_unit)]
+        if shared not in SHARED:
+            raise ValueError(f"shared {shared!r}; allowed: {', '.join(SHARED)}")
+        selection = Selection(selection, sizes[0], sizes[1], shared)  # type: ignore[arg-type]
+    selection.validate(case.batch, case.heads, case.n_kv_heads, case.n_queries, case.seq_len)
+    return selection
+
+
+def select(selector_name: str, q: Tensor, k: Tensor, case: Case) -> Selection:
+    """The Selection selector `selector_name` makes of (q, k) for `case` (its block_size, budget, threshold,
+    base pattern, ...), validated. KeyError for an unknown selector, SelectionError for an invalid output."""
+    chosen = run_selector(get_selector(selector_name), q, k, case)
+    chosen.validate(case.batch, case.heads, case.n_kv_heads, case.n_queries, case.seq_len)
+    return chosen
 
 
 def run(suite: str | Path | dict[str, Any], out: str | Path = "results", *, impls: list[str] | None = None,

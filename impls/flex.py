@@ -121,11 +121,68 @@ def block_mask_for(pattern, block_size: int, device: torch.device, tabulated: bo
                                     seq_lengths=(pattern.q_len, pattern.seq_len))
 
 
+def selection_block_mask(selection, classes: torch.Tensor, base_mask_mod, nq: int, n: int, block_size: int,
+                         heads: int, kv_heads: int):
+    """FlexAttention BlockMask of a selection under the base pattern, per (batch, head): `classes` (QB, KB) int8
+    of the base's blocks (0 none, 1 partial, 2 full), `base_mask_mod(q_idx, kv_idx)` its predicate.
+
+    A block selection per query block maps onto FlexAttention's block lists directly (full where the base block is
+    full); any other (per row, tokens, pages) lists the blocks some row of a query block touches as partial and
+    looks each pair up in the selection's unit table in the mask_mod."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = classes.device
+    nqb, nkb = classes.shape
+    heads_of = selection.head_index(heads, kv_heads).to(device)
+    kv_units = math.ceil(n / selection.kv_unit)
+    units = selection.unit_mask(kv_units).to(device)  # (B, H_sel, U, KU)
+    b = units.shape[0]
+    if selection.q_unit == block_size and selection.kv_unit == block_size:
+        chosen = units[:, heads_of]  # (B, H, QB, KB)
+        full, partial = chosen & (classes == 2), chosen & (classes == 1)
+
+        def mask_mod(bi, hi, q_idx, kv_idx):
+            return base_mask_mod(q_idx, kv_idx)
+    else:
+        # key units -> the key blocks they touch (a unit spans [u * kv_unit, (u + 1) * kv_unit))
+        first = (torch.arange(kv_units, device=device) * selection.kv_unit) // block_size
+        last = ((torch.arange(kv_units, device=device) + 1) * selection.kv_unit - 1).clamp(max=n - 1) // block_size
+        touches = (torch.arange(nkb, device=device)[None, :] >= first[:, None]) & (
+            torch.arange(nkb, device=device)[None, :] <= last[:, None])  # (KU, KB)
+        per_unit = (units.to(torch.float32) @ touches.to(torch.float32)) > 0  # (B, H_sel, U, KB)
+        rows_per_qb = max(1, block_size // selection.q_unit) if selection.q_unit <= block_size else 1
+        padded = torch.nn.functional.pad(per_unit, (0, 0, 0, nqb * rows_per_qb - per_unit.shape[2]))
+        per_qb = padded.view(b, -1, nqb, rows_per_qb, nkb).any(dim=3)
+        full = torch.zeros(b, heads, nqb, nkb, dtype=torch.bool, device=device)
+        partial = per_qb[:, heads_of] & (classes > 0)
+        q_unit, kv_unit = selection.q_unit, selection.kv_unit
+        n_units, h_sel = units.shape[2], units.shape[1]
+        table = units.reshape(-1)  # (B * H_sel * U * KU,): flat, which Inductor's CPU template compiles (a 4-D
+        # lookup by (b, h) made it emit an undeclared variable in torch 2.13)
+
+        def mask_mod(bi, hi, q_idx, kv_idx):
+            unit = (q_idx // q_unit).clamp(max=n_units - 1)
+            key_unit = (kv_idx // kv_unit).clamp(max=kv_units - 1)
+            keep = table[((bi * h_sel + heads_of[hi]) * n_units + unit) * kv_units + key_unit]
+            return keep & base_mask_mod(q_idx, kv_idx)
+
+    def compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = keep.sum(dim=-1).to(torch.int32)
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts, order
+
+    partial_counts, partial_indices = compact(partial)
+    full_counts, full_indices = compact(full)
+    return BlockMask.from_kv_blocks(partial_counts, partial_indices, full_counts, full_indices,
+                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(nq, n))
+
+
 @register
 class Flex(Impl):
     name = "flex"
     description = "FlexAttention (torch.compile), BlockMask from the pattern's blocks and predicate; no CPU backward"
     fwd_bwd = True  # on CUDA; CPU fwd_bwd is unsupported (see unsupported)
+    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def unavailable(self) -> str | None:
         try:
@@ -172,6 +229,48 @@ class Flex(Impl):
             return out
 
         return call
+
+    def unsupported_selection(self, case, q_unit, kv_unit, shared):
+        reason = super().unsupported_selection(case, q_unit, kv_unit, shared)
+        if reason is None and case.device == "cpu" and (q_unit, kv_unit) != ("block", "block"):
+            reason = ("flex on CPU takes block selections per query block only: Inductor's CPU flex template "
+                      "fails to compile a mask_mod that looks up a per-row table (CppCompileError, torch 2.13)")
+        return reason
+
+    def prepare_selected(self, case, pattern, q, k, v):
+        """Attention over a selection: a BlockMask built from the selection in each call (the base pattern's
+        predicate inside partial blocks), FlexAttention with its log-sum-exp."""
+        bs = case.block_size
+        with setup_phase("mask"):
+            sparse = pattern.block_sparse(bs)
+            nqb, nkb = sparse.num_blocks, math.ceil(pattern.seq_len / bs)
+            classes = torch.zeros(nqb, nkb, dtype=torch.int8)
+            used = torch.arange(sparse.kv_indices.shape[1])[None, :] < sparse.kv_counts[:, None].to(torch.int64)
+            rows = torch.arange(nqb)[:, None].expand_as(sparse.kv_indices)[used]
+            classes[rows, sparse.kv_indices[used].to(torch.int64)] = torch.where(sparse.full[used], 2, 1).to(
+                torch.int8)
+            classes = classes.to(q.device)
+            params = tensor_fields(pattern, q.device)
+        flex = compiled_flex()
+        scale = softmax_scale(case.head_dim)
+        h, hkv = q.shape[1], k.shape[1]
+        nq, n = pattern.q_len, pattern.seq_len
+        self._extras = {"block_size": bs, "compiled": "torch.compile(dynamic=True)", "mask_mod": "predicate"}
+        state = {"compiled_once": False}
+
+        # Inductor's CPU flex template returns no log-sum-exp ("return_lse is not supported yet" in torch 2.13)
+        with_lse = q.device.type != "cpu"
+
+        def attend(selection):
+            mask = selection_block_mask(selection, classes, params._matrix, nq, n, bs, h, hkv)
+            if state["compiled_once"]:
+                return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=h != hkv, return_lse=with_lse)
+            with setup_phase("compile"):
+                result = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=h != hkv, return_lse=with_lse)
+            state["compiled_once"] = True
+            return result
+
+        return attend
 
     def record_extras(self) -> dict[str, object]:
         return dict(self._extras)

@@ -19,8 +19,16 @@ from __future__ import annotations
 from bench.registry import Impl, register, setup_phase
 from impls.blocked.attention import blocked_attention
 from impls.blocked.fused import FUSED_ROWS, fused_available
-from impls.blocked.kernel import BlockTable, block_table, kernel_attention, kernel_wanted, unavailable_reason
+from impls.blocked.kernel import (
+    BlockTable,
+    block_table,
+    kernel_attention,
+    kernel_attention_tables,
+    kernel_wanted,
+    unavailable_reason,
+)
 from impls.blocked.plan import BandPlan, GatherPlan, make_plan
+from impls.blocked.selected import base_slots, gathered_attention, head_tables, tasks_of
 from impls.common import softmax_scale
 
 
@@ -29,6 +37,7 @@ class Blocked(Impl):
     name = "blocked"
     description = "dense matmuls over the block layout: sliding windows for bands, gathered blocks otherwise"
     fwd_bwd = True
+    selections = {"q_unit": (1, "block"), "kv_unit": ("block",)}
 
     def prepare(self, case, pattern, q, k, v):
         b, h, nq, d = q.shape
@@ -71,6 +80,39 @@ class Blocked(Impl):
             return blocked_attention(plan, grouped, keys, values, fused).reshape(q.shape)
 
         return call
+
+    def prepare_selected(self, case, pattern, q, k, v):
+        """Attention over a selection of key blocks (impls/blocked/selected.py): the CPU kernel over per-task
+        block tables in inference, the gathered torch steps elsewhere."""
+        b, h, nq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        group = h // hkv
+        bs = case.block_size
+        scale = softmax_scale(case.head_dim)
+        kernel_missing: str | None = "mode fwd_bwd: the kernel is inference only"
+        if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
+            with setup_phase("compile"):
+                kernel_missing = unavailable_reason(q, bs)
+        elif case.mode == "fwd":
+            kernel_missing = f"{q.dtype} on {q.device.type}"
+        with setup_phase("mask"):
+            slot, masks = base_slots(pattern, bs)
+        self._extras = {"path": "kernel_selected" if kernel_missing is None else "gather_selected",
+                        "block_size": bs, "group_size": group}
+        if kernel_missing is not None:
+            self._extras["kernel_unavailable"] = kernel_missing
+
+        def attend(selection):
+            if kernel_missing is not None or (selection.q_unit != bs and bs > 64):  # row bits fit 64 rows
+                return gathered_attention(selection, pattern, q, k, v, scale, bs)
+            task_heads, per_query_head = tasks_of(selection, h, hkv)
+            tables = head_tables(selection, slot, masks, nq, n, bs, task_heads)
+            tiles = q.reshape(b * h, 1, nq, d) if per_query_head else q.reshape(b * hkv, group, nq, d)
+            keys, values = (t.reshape(b * hkv, n, d) for t in (k, v))
+            out, lse = kernel_attention_tables(tables, tiles, keys, values, scale, group if per_query_head else 1)
+            return out.reshape(q.shape), lse.reshape(b, h, nq)
+
+        return attend
 
     def record_extras(self) -> dict[str, object]:
         return dict(self._extras)

@@ -156,10 +156,15 @@ void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, in
   });
 }
 
+// The block table of task head h: its own (tables == heads: a selection per head) or the one shared by all.
+// row_bits (optional, bs <= 64): bit t of a slot says whether row t of the query block keeps that key block
+// (a selection per query row, run over the union of its block's rows' blocks). lse (optional): each row's
+// log-sum-exp of its allowed scaled scores, -inf for a row without keys.
 template <typename T>
 void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
-            const int32_t* mask_slot, const bool* masks, float scale) {
+            const int32_t* mask_slot, const bool* masks, float scale, int64_t tables, int64_t heads_per_kv,
+            const int64_t* row_bits, float* lse) {
   const int64_t nqb = (nq + bs - 1) / bs, nkb = (n + bs - 1) / bs;
   const int64_t width = CHUNK * bs;
   at::parallel_for(0, heads * nqb, 1, [&](int64_t begin, int64_t end) {
@@ -168,27 +173,33 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
     std::vector<float> s(max_m * width), o(max_m * d), m(max_m), l(max_m);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / nqb, r = task % nqb;
+      const int64_t kvh = h / heads_per_kv;  // the packed K/V head this task reads
+      const int64_t slot0 = ((tables == 1 ? 0 : h) * nqb + r) * max_kv;  // this task's table row
       const int64_t rows = std::min(bs, nq - r * bs), mm = g * rows;
       for (int64_t gi = 0; gi < g; ++gi)  // tile row gi * rows + t = query head gi's row r*bs + t
         std::memcpy(qt.data() + gi * rows * d, q + ((h * g + gi) * nq + r * bs) * d, rows * d * sizeof(T));
       std::fill(o.begin(), o.begin() + mm * d, 0.f);
       std::fill(m.begin(), m.begin() + mm, NEG_INF);
       std::fill(l.begin(), l.begin() + mm, 0.f);
-      const int64_t count = kv_count[r];
+      const int64_t count = kv_count[(tables == 1 ? 0 : h) * nqb + r];
       for (int64_t c0 = 0; c0 < count; c0 += CHUNK) {
         const int64_t nc = std::min(CHUNK, count - c0), cols = nc * bs;
         for (int64_t c = 0; c < nc; ++c) {
-          const int64_t j = kv_index[r * max_kv + c0 + c];
-          gemm_b(mm, bs, d, d, width, false, qt.data(), kp + (h * nkb + j) * d * bs, s.data() + c * bs);
+          const int64_t j = kv_index[slot0 + c0 + c];
+          gemm_b(mm, bs, d, d, width, false, qt.data(), kp + (kvh * nkb + j) * d * bs, s.data() + c * bs);
         }
         for (int64_t i = 0; i < mm; ++i) {
           float* row = s.data() + i * width;
           const int64_t t = i % rows;
           for (int64_t c = 0; c < nc; ++c) {
-            const int64_t slot = mask_slot[r * max_kv + c0 + c];
-            const int64_t j = kv_index[r * max_kv + c0 + c];
+            const int64_t slot = mask_slot[slot0 + c0 + c];
+            const int64_t j = kv_index[slot0 + c0 + c];
             const int64_t valid = std::min(bs, n - j * bs);
             float* block = row + c * bs;
+            if (row_bits != nullptr && !((static_cast<uint64_t>(row_bits[slot0 + c0 + c]) >> t) & 1ULL)) {
+              std::fill(block, block + bs, NEG_INF);  // this row did not select the block
+              continue;
+            }
             if (slot >= 0) {
               const bool* allowed = masks + (slot * bs + t) * bs;
               for (int64_t x = 0; x < bs; ++x)
@@ -211,8 +222,8 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
         }
         const T* p = kVnni<T> ? pt.data() : reinterpret_cast<const T*>(s.data());
         for (int64_t c = 0; c < nc; ++c) {
-          const int64_t j = kv_index[r * max_kv + c0 + c];
-          gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (h * nkb + j) * bs * d, o.data());
+          const int64_t j = kv_index[slot0 + c0 + c];
+          gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (kvh * nkb + j) * bs * d, o.data());
         }
       }
       for (int64_t i = 0; i < mm; ++i) {
@@ -220,39 +231,52 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
         float* row = o.data() + i * d;
         scale_row(row, d, l[i] > 0.f ? 1.f / l[i] : 0.f);
         convert_row(row, out + ((h * g + gi) * nq + r * bs + t) * d, d);
+        if (lse != nullptr) lse[(h * g + gi) * nq + r * bs + t] = l[i] > 0.f ? m[i] + std::log(l[i]) : NEG_INF;
       }
     }
     at::native::cpublas::brgemm_release(kVnni<T>);
   });
 }
 
-// q (H, G, Nq, D), k, v (H, N, D), all contiguous in one dtype; the block table of the pattern's block-sparse
-// view: kv_index, mask_slot int32 (nqb, max_kv) (mask_slot -1: a full block), kv_count int32 (nqb,), masks
-// bool (P, bs, bs). own_pairs: the 16-bit VNNI pairs written by pack_b even where oneDNN's packer exists.
-// Returns (H, G, Nq, D).
-torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const torch::Tensor& kv_index, const torch::Tensor& kv_count,
-                              const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
-                              int64_t bs, bool own_pairs) {
+// q (H, G, Nq, D), k, v (H / heads_per_kv, N, D), all contiguous in one dtype; the block table: kv_index,
+// mask_slot int32 (T, nqb, max_kv) (mask_slot -1: a full block), kv_count int32 (T, nqb), T = 1 (one table for
+// every head: a pattern's block-sparse view) or H (one per head: a selection); masks bool (P, bs, bs);
+// row_bits int64 (T, nqb, max_kv) or empty (module comment of attend). own_pairs: the 16-bit VNNI pairs written
+// by pack_b even where oneDNN's packer exists. Returns (out (H, G, Nq, D), lse (H, G, Nq) float32).
+std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                           const torch::Tensor& kv_index, const torch::Tensor& kv_count,
+                                           const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
+                                           int64_t bs, bool own_pairs, int64_t heads_per_kv,
+                                           const torch::Tensor& row_bits) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "q (H, G, Nq, D), k and v (H, N, D)");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
   TORCH_CHECK(kv_index.scalar_type() == at::kInt && kv_count.scalar_type() == at::kInt &&
               mask_slot.scalar_type() == at::kInt && masks.scalar_type() == at::kBool, "table dtypes");
   const int64_t heads = q.size(0), g = q.size(1), nq = q.size(2), d = q.size(3), n = k.size(1);
-  TORCH_CHECK(k.size(0) == heads && k.size(2) == d, "k (H, N, D) matching q");
-  const int64_t nkb = (n + bs - 1) / bs, max_kv = kv_index.size(1);
-  TORCH_CHECK(kv_count.numel() == (nq + bs - 1) / bs, "one table row per query block");
+  TORCH_CHECK(heads_per_kv >= 1 && k.size(0) * heads_per_kv == heads && k.size(2) == d,
+              "k (H / heads_per_kv, N, D) matching q");
+  const int64_t nkb = (n + bs - 1) / bs, nqb = (nq + bs - 1) / bs;
+  TORCH_CHECK(kv_index.dim() == 3 && kv_count.dim() == 2 && mask_slot.sizes() == kv_index.sizes(),
+              "kv_index, mask_slot (T, nqb, max_kv), kv_count (T, nqb)");
+  const int64_t tables = kv_index.size(0), max_kv = kv_index.size(2);
+  TORCH_CHECK((tables == 1 || tables == heads) && kv_count.size(0) == tables, "one table, or one per head");
+  TORCH_CHECK(kv_index.size(1) == nqb && kv_count.size(1) == nqb, "one table row per query block");
+  const bool bits = row_bits.defined() && row_bits.numel() > 0;
+  TORCH_CHECK(!bits || (row_bits.scalar_type() == at::kLong && row_bits.sizes() == kv_index.sizes() && bs <= 64),
+              "row_bits int64 (T, nqb, max_kv), block_size <= 64");
   auto out = torch::empty_like(q);
-  auto kp = torch::empty({heads * nkb * d * bs}, k.options());
-  auto vp = torch::empty({heads * nkb * bs * d}, k.options());
+  auto lse = torch::empty({heads, g, nq}, q.options().dtype(at::kFloat));
+  auto kp = torch::empty({k.size(0) * nkb * d * bs}, k.options());
+  auto vp = torch::empty({k.size(0) * nkb * bs * d}, k.options());
   auto table = [&](auto tag) {
     using T = decltype(tag);
-    pack_blocks<T>(k.data_ptr<T>(), v.data_ptr<T>(), heads, n, d, bs, kp.data_ptr<T>(), vp.data_ptr<T>(),
+    pack_blocks<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.size(0), n, d, bs, kp.data_ptr<T>(), vp.data_ptr<T>(),
                    own_pairs);
     attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq, n, d, bs,
               kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv, mask_slot.data_ptr<int32_t>(),
-              masks.data_ptr<bool>(), static_cast<float>(scale));
+              masks.data_ptr<bool>(), static_cast<float>(scale), tables, heads_per_kv,
+              bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>());
   };
   switch (q.scalar_type()) {
     case at::kFloat: table(float{}); break;
@@ -260,7 +284,7 @@ torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, co
     case at::kHalf: table(at::Half{}); break;
     default: TORCH_CHECK(false, "float32, bfloat16 or float16, not ", q.scalar_type());
   }
-  return out;
+  return {out, lse};
 }
 
 }  // namespace
@@ -268,7 +292,8 @@ torch::Tensor block_attention(const torch::Tensor& q, const torch::Tensor& k, co
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_attention", &block_attention, "attention over a block table (inference, CPU)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("kv_index"), py::arg("kv_count"), py::arg("mask_slot"),
-        py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false);
+        py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false,
+        py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor());
   m.def("library_packs", [](py::object dtype) {
     return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));
   }, "whether oneDNN's packer lays out B operands of this 16-bit dtype (AMX machines)");

@@ -8,7 +8,8 @@ batch-reduce GEMMs from torch's CPU BLAS on key and value blocks packed once per
 float32 between them, scores kept in the thread's buffers.
 
 It is compiled with torch's C++ extension builder (a C++ compiler and ninja; about a minute, once per machine:
-the build is cached under the torch extensions directory, keyed by the source and the CPU's vector ISA).
+the build is cached under the torch extensions directory, named by the source's digest and the CPU's vector
+ISA).
 Where it cannot be built, the CPU has no fast bfloat16 products, or the case is one it does not take
 (`unavailable_reason`), `blocked` keeps its torch-op paths and says why in its record
 (`config.kernel_unavailable`).
@@ -16,6 +17,7 @@ Where it cannot be built, the CPU has no fast bfloat16 products, or the case is 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from dataclasses import dataclass
@@ -58,7 +60,10 @@ def _build() -> Any:
     flags = _ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
     # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it the kernel ran on one thread.
     # It links libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime).
-    return load(name=f"blocked_cpu_kernel_{isa.lower()}", sources=[str(_SOURCE)],
+    # The source's digest in the name: two checkouts with different kernels (`bench ab` of two revisions) each
+    # keep their own build instead of rebuilding over each other's in the shared extensions directory.
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+    return load(name=f"blocked_cpu_kernel_{isa.lower()}_{digest}", sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -151,5 +156,33 @@ def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: 
     compares the two layouts)."""
     module = kernel_module()
     assert module is not None, "kernel_attention needs the built kernel (see unavailable_reason)"
-    return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index, table.kv_count,
-                                  table.mask_slot, table.masks, scale, table.block, own_pairs)
+    out, _ = module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index[None],
+                                    table.kv_count[None], table.mask_slot[None], table.masks, scale, table.block,
+                                    own_pairs, 1, _NO_BITS)
+    return out
+
+
+_NO_BITS = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class HeadTables:
+    """Block tables per task head (a selection's): kv_index, mask_slot (T, nqb, max_kv), kv_count (T, nqb), the
+    partial blocks' masks, and row_bits (T, nqb, max_kv) int64 where rows of a query block select apart."""
+
+    block: int
+    kv_index: Tensor
+    kv_count: Tensor
+    mask_slot: Tensor
+    masks: Tensor
+    row_bits: Tensor
+
+
+def kernel_attention_tables(tables: HeadTables, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                            heads_per_kv: int) -> tuple[Tensor, Tensor]:
+    """q (T, G, q_len, D), k, v (T / heads_per_kv, N, D) -> (out (T, G, q_len, D), lse (T, G, q_len) float32)."""
+    module = kernel_module()
+    assert module is not None, "kernel_attention_tables needs the built kernel (see unavailable_reason)"
+    return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), tables.kv_index, tables.kv_count,
+                                  tables.mask_slot, tables.masks, scale, tables.block, False, heads_per_kv,
+                                  tables.row_bits)

@@ -1,0 +1,136 @@
+"""`blocked` over a selection of key blocks: the block tables a selection makes, for the CPU kernel or torch ops.
+
+A selection keeps key blocks per (batch, selection head, query unit). For a query block, the blocks its rows
+keep (one set for a block query unit; the union over its rows for a selection per row, with a bit per row
+saying which rows kept each block) intersected with the base pattern's block view (full blocks, and partial
+ones with their masks) make its table row. Tables are built inside the timed call: a selection changes every
+call, and turning it into tables is part of what attending over it costs.
+
+- The kernel (inference in float32 and bfloat16 on CPU): one table per task. With a selection shared by a KV
+  group (or by all heads) a task is a KV head with its G query heads as one tile, as for patterns; with one per
+  query head, a task is a query head (G = 1) reading its KV head's packed blocks (`heads_per_kv` = G).
+- torch ops (backward, float16, where the kernel cannot run): per query head, its rows' key blocks gathered
+  (blocks of queries at a time), the scores masked by the base pattern and the rows' own selections, softmax,
+  products. Autograd differentiates it; the selection is not differentiated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from bench.selection import Selection
+from impls.blocked.kernel import HeadTables
+
+GATHER_ELEMENTS = 1 << 24  # gathered key elements (per chunk of query blocks) the torch path holds at once
+
+
+def base_slots(pattern, bs: int) -> tuple[Tensor, Tensor]:
+    """(slot (QB, KB) int32: -2 not allowed, -1 a full block, p >= 0 partial with masks[p]; masks (P, bs, bs))."""
+    sparse = pattern.block_sparse(bs)
+    nqb, nkb = sparse.num_blocks, math.ceil(pattern.seq_len / bs)
+    slot = torch.full((nqb, nkb), -2, dtype=torch.int32)
+    used = torch.arange(sparse.kv_indices.shape[1])[None, :] < sparse.kv_counts[:, None].to(torch.int64)
+    rows = torch.arange(nqb)[:, None].expand_as(sparse.kv_indices)[used]
+    cols = sparse.kv_indices[used].to(torch.int64)
+    slot[rows, cols] = torch.where(sparse.full[used], -1, sparse.mask_index[used].to(torch.int32))
+    masks = sparse.masks if sparse.masks.numel() else torch.zeros(1, bs, bs, dtype=torch.bool)
+    return slot, masks.contiguous()
+
+
+def chosen_blocks(selection: Selection, nq: int, nkb: int, bs: int) -> tuple[Tensor, Tensor | None]:
+    """(blocks (B, H_sel, QB, KB) bool kept by some row of each query block, row_bits (B, H_sel, QB, KB) int64 or
+    None: bit t set where row t of the query block kept the key block; None for a block query unit)."""
+    units = selection.unit_mask(nkb)  # (B, H_sel, U, KB)
+    if selection.q_unit == bs:
+        return units, None
+    b, h_sel, _, _ = units.shape
+    nqb = math.ceil(nq / bs)
+    rows = torch.nn.functional.pad(units, (0, 0, 0, nqb * bs - nq)).view(b, h_sel, nqb, bs, nkb)
+    weights = torch.ones(bs, dtype=torch.int64, device=units.device) << torch.arange(bs, device=units.device)
+    bits = (rows.to(torch.int64) * weights[:, None]).sum(dim=3)  # distinct powers of two: the bit pattern
+    return rows.any(dim=3), bits
+
+
+def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: int, bs: int,
+                task_heads: Tensor) -> HeadTables:
+    """Tables of the tasks whose selection heads are `task_heads` (B*T,) taken over batch-major tasks."""
+    nkb = math.ceil(n / bs)
+    blocks, bits = chosen_blocks(selection, nq, nkb, bs)
+    b, h_sel = blocks.shape[:2]
+    tasks_per_batch = task_heads.numel()
+    blocks = blocks[:, task_heads] & (slot >= -1)  # (B, T, QB, KB): allowed by the base pattern too
+    counts = blocks.sum(dim=-1)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)[..., :width]  # kept blocks first
+    kept = torch.arange(width, device=blocks.device) < counts.unsqueeze(-1)
+    kv_index = torch.where(kept, order, 0).to(torch.int32)
+    mask_slot = torch.gather(slot.expand(*blocks.shape[:2], *slot.shape), -1, order.to(torch.int64)).to(torch.int32)
+    flat = lambda t: t.reshape(b * tasks_per_batch, *t.shape[2:]).contiguous()  # noqa: E731
+    row_bits = torch.empty(0, dtype=torch.int64)
+    if bits is not None:
+        row_bits = flat(torch.gather(bits[:, task_heads], -1, order.to(torch.int64)))
+    return HeadTables(bs, flat(kv_index), flat(counts.to(torch.int32)), flat(mask_slot), masks, row_bits)
+
+
+def tasks_of(selection: Selection, heads: int, kv_heads: int) -> tuple[Tensor, bool]:
+    """(the selection head of each task of a batch element, whether a task is a query head); module docstring."""
+    if selection.shared == "head" and heads != kv_heads:
+        return selection.head_index(heads, kv_heads), True
+    if selection.shared == "all":
+        return torch.zeros(kv_heads, dtype=torch.int64), False
+    return torch.arange(kv_heads), False  # kv_group, or head without GQA: one task per KV head
+
+
+def gathered_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tensor, scale: float, bs: int
+                       ) -> tuple[Tensor, Tensor]:
+    """The torch path: (out (B, H, q_len, D), lse (B, H, q_len) float32); module docstring."""
+    b, h, nq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    nqb, nkb = math.ceil(nq / bs), math.ceil(n / bs)
+    slot, _ = base_slots(pattern, bs)
+    blocks, _ = chosen_blocks(selection, nq, nkb, bs)
+    heads_of = selection.head_index(h, hkv).to(blocks.device)
+    blocks = blocks[:, heads_of] & (slot >= -1).to(blocks.device)  # (B, H, QB, KB)
+    width = max(int(blocks.sum(dim=-1).max()) if blocks.numel() else 0, 1)
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)[..., :width]
+    kept = torch.gather(blocks, -1, order)  # (B, H, QB, W)
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    rows_all = torch.arange(nq, device=q.device)
+    unit_of_row = rows_all // selection.q_unit
+    kv_units = selection.unit_mask(nkb)  # (B, H_sel, U, KB)
+    group = h // hkv
+    kb_heads = torch.arange(h, device=q.device) // group  # the KV head each query head reads
+    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, nkb * bs - n)).view(b, hkv, nkb, bs, d)[:, kb_heads]
+    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, nkb * bs - n)).view(b, hkv, nkb, bs, d)[:, kb_heads]
+    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, nqb * bs - nq)).view(b, h, nqb, bs, d)
+    chunk = max(1, GATHER_ELEMENTS // max(1, b * h * width * bs * d))
+    outs, lses = [], []
+    for start in range(0, nqb, chunk):
+        qbs = slice(start, min(start + chunk, nqb))
+        idx = order[:, :, qbs]  # (B, H, c, W)
+        pick = idx[..., None, None].expand(*idx.shape, bs, d).reshape(b, h, -1, bs, d)
+        keys = torch.gather(k_blocks, 2, pick).view(b, h, idx.shape[2], width * bs, d)
+        values = torch.gather(v_blocks, 2, pick).view(b, h, idx.shape[2], width * bs, d)
+        rows = torch.arange(qbs.start * bs, qbs.stop * bs, device=q.device).view(-1, bs)  # (c, bs)
+        key_pos = (idx[..., None] * bs + torch.arange(bs, device=q.device)).reshape(b, h, idx.shape[2], 1, -1)
+        allowed = pattern.mask(rows.clamp(max=nq - 1)[None, None, :, :, None].cpu(), key_pos.clamp(max=n - 1).cpu())
+        allowed = allowed.to(q.device) & (key_pos < n) & (rows < nq)[None, None, :, :, None]
+        allowed &= kept[:, :, qbs].repeat_interleave(bs, dim=-1)[:, :, :, None, :]
+        # each row's own selection (the union of its block's rows was gathered)
+        units = unit_of_row[rows.clamp(max=nq - 1)]  # (c, bs)
+        own = kv_units[:, heads_of.cpu() if kv_units.device.type == "cpu" else heads_of]  # (B, H, U, KB)
+        own = own[:, :, units]  # (B, H, c, bs, KB)
+        own = torch.gather(own, -1, idx[:, :, :, None, :].expand(-1, -1, -1, bs, -1))  # (B, H, c, bs, W)
+        allowed &= own.repeat_interleave(bs, dim=-1)
+        scores = (q_blocks[:, :, qbs].to(acc) @ keys.to(acc).transpose(-1, -2)) * scale  # (B, H, c, bs, W*bs)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+        outs.append((probs.to(v.dtype) @ values).to(acc))
+        lses.append(lse)
+    out = torch.cat(outs, dim=2).reshape(b, h, nqb * bs, d)[:, :, :nq]
+    lse = torch.cat(lses, dim=2).reshape(b, h, nqb * bs)[:, :, :nq]
+    return out.to(q.dtype), lse.float()
