@@ -82,7 +82,7 @@ def dsa(q: Tensor, k: Tensor, case: Any) -> Tensor:
             continue
         counts = budget_counts(budget, allowed)  # (rows,)
         logits = q_index[:, :, start:stop] @ keys[:, None, lo:hi].transpose(-1, -2)  # (B, H_I, rows, span)
-        scores = (logits.relu_() * weights[:, :, start:stop, None]).sum(dim=1, keepdim=True)  # (B, 1, rows, span)
+        scores = logits.relu_().mul_(weights[:, :, start:stop, None]).sum(dim=1, keepdim=True)  # (B, 1, rows, span)
         scores = scores.masked_fill(~allowed[:, lo:hi], -math.inf)
         picked = topk_indices(scores, counts)
         out[..., start:stop, : picked.shape[-1]] = torch.where(picked >= 0, picked + lo, -1)

@@ -155,12 +155,15 @@ def grouped_scores(q: Tensor, keys: Tensor) -> Tensor:
 def pick_topk(scores: Tensor, allowed: Tensor, forced: Tensor | None, counts: Tensor) -> Tensor:
     """int32 (B, Hs, rows, K = counts.max()): per row the counts[row] allowed units of largest score, forced
     units (allowed ones) first, the higher priority first where the count is short of them; -1 past the count.
-    scores (B, Hs, rows, U); allowed bool (rows, U); forced (rows, U) bool, or int priorities (0: not forced)."""
-    scores = scores.masked_fill(~allowed, -math.inf)
+    scores (B, Hs, rows, U), finite, overwritten; allowed bool (rows, U); forced (rows, U) bool, or int
+    priorities (0: not forced)."""
+    # one pass over the scores: + FORCED * priority lifts a forced unit above all (FORCED absorbs the score), + -inf
+    # drops a unit the base pattern does not allow
+    bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device)
     if forced is not None:
-        priority = forced.to(scores.dtype)
-        scores = torch.where((priority > 0) & allowed, FORCED * priority, scores)
-    return topk_indices(scores, counts)
+        bias = FORCED * forced.to(scores.dtype)
+    bias.masked_fill_(~allowed, -math.inf)
+    return topk_indices(scores.add_(bias), counts)
 
 
 def per_row_topk(q: Tensor, case: Any, kv_unit: int, heads_sel: int,
