@@ -137,8 +137,8 @@ def unit_means(k: Tensor, unit: int) -> Tensor:
     """float32 (B, Hkv, ceil(N / unit), D): the mean of each unit's keys (a last, partial unit over its own keys)."""
     b, hkv, n, d = k.shape
     units = math.ceil(n / unit)
-    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, units * unit - n))
-    sums = padded.view(b, hkv, units, unit, d).sum(dim=3)
+    padded = k.float() if n == units * unit else torch.nn.functional.pad(k.float(), (0, 0, 0, units * unit - n))
+    sums = padded.reshape(b, hkv, units, unit, d).sum(dim=3)
     sizes = (n - torch.arange(units, device=k.device) * unit).clamp(max=unit)  # keys per unit
     return sums / sizes.to(sums.dtype)[:, None]
 
