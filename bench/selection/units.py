@@ -11,6 +11,8 @@ allows); a float in (0, 1] is that fraction of the unit's allowed units, rounded
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -71,3 +73,127 @@ def topk_indices(scores: Tensor, counts: Tensor) -> Tensor:
     slot = torch.arange(k, device=scores.device)
     keep = (slot < counts.to(scores.device).unsqueeze(-1)) & torch.isfinite(top.values)
     return torch.where(keep, top.indices, -1).to(torch.int32)
+
+
+# --- shared by the fast selectors (bench.selection.moba, quest, nsa, dsa, xattention) ---------------------------
+
+# float32 scores a fast selector holds at once (B * heads * rows * key units): 256 MiB
+SCORE_ELEMENTS = 1 << 26
+# A forced unit's score (times its priority, 1..3): above any score a selector computes from finite inputs,
+# and finite, as topk_indices drops -inf.
+FORCED = 1e30
+
+
+# The last few base patterns selectors met, by their fields: a sweep runs many selections over one pattern.
+_PATTERNS: dict[tuple[Any, ...], Any] = {}
+_PATTERNS_KEPT = 4
+
+
+def base_pattern(case: Any) -> Any:
+    """The case's base pattern, one instance per distinct pattern: `allowed_units` caches on the instance, so the
+    units a pattern allows are worked out once (as a kernel's block layout is), not inside every timed call."""
+    fields = case.pattern_fields() if hasattr(case, "pattern_fields") else {}
+    key = (case.pattern, case.seq_len, getattr(case, "q_len", None), getattr(case, "documents", None),
+           tuple(sorted(fields.items())))
+    try:
+        pattern = _PATTERNS.get(key)
+    except TypeError:  # an unhashable field value: no memo
+        return case.make_pattern()
+    if pattern is None:
+        if len(_PATTERNS) >= _PATTERNS_KEPT:
+            _PATTERNS.pop(next(iter(_PATTERNS)))
+        pattern = _PATTERNS[key] = case.make_pattern()
+    return pattern
+
+
+def allowed_on(pattern: Any, q_unit: int, kv_unit: int, device: torch.device) -> Tensor:
+    """`allowed_units` on `device`, cached there too."""
+    cache = getattr(pattern, "_cache", None)
+    key = ("selection_units", q_unit, kv_unit, str(device))
+    if cache is not None and key in cache:
+        return cache[key]
+    out = allowed_units(pattern, q_unit, kv_unit).to(device)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def row_chunks(rows: int, per_row: int) -> list[tuple[int, int]]:
+    """[start, stop) spans of at most SCORE_ELEMENTS // per_row rows (at least 1) covering range(rows)."""
+    step = max(1, SCORE_ELEMENTS // max(1, per_row))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def key_span(allowed: Tensor) -> tuple[int, int]:
+    """[lo, hi): the key units any row of `allowed` (rows, key units) may see; (0, 0) if none. A chunk of causal
+    rows scores only the keys up to its last row, as a causal kernel skips the blocks past the diagonal."""
+    cols = allowed.any(dim=0).nonzero()
+    if cols.numel() == 0:
+        return 0, 0
+    return int(cols[0]), int(cols[-1]) + 1
+
+
+def unit_means(k: Tensor, unit: int) -> Tensor:
+    """float32 (B, Hkv, ceil(N / unit), D): the mean of each unit's keys (a last, partial unit over its own keys)."""
+    b, hkv, n, d = k.shape
+    units = math.ceil(n / unit)
+    padded = k.float() if n == units * unit else torch.nn.functional.pad(k.float(), (0, 0, 0, units * unit - n))
+    sums = padded.reshape(b, hkv, units, unit, d).sum(dim=3)
+    sizes = (n - torch.arange(units, device=k.device) * unit).clamp(max=unit)  # keys per unit
+    return sums / sizes.to(sums.dtype)[:, None]
+
+
+def grouped_scores(q: Tensor, keys: Tensor) -> Tensor:
+    """float32 (B, H, rows, U): q (B, H, rows, D) against per-KV-head keys (B, Hkv, U, D'), D' = D; query head h
+    reads KV head h // (H / Hkv), without copying the keys per query head."""
+    b, h, rows, d = q.shape
+    hkv = keys.shape[1]
+    grouped = q.float().reshape(b, hkv, (h // hkv) * rows, d)
+    return (grouped @ keys.float().transpose(-1, -2)).view(b, h, rows, keys.shape[2])
+
+
+def pick_topk(scores: Tensor, allowed: Tensor, forced: Tensor | None, counts: Tensor) -> Tensor:
+    """int32 (B, Hs, rows, K = counts.max()): per row the counts[row] allowed units of largest score, forced
+    units (allowed ones) first, the higher priority first where the count is short of them; -1 past the count.
+    scores (B, Hs, rows, U), finite, overwritten; allowed bool (rows, U); forced (rows, U) bool, or int
+    priorities (0: not forced)."""
+    # one pass over the scores: + FORCED * priority lifts a forced unit above all (FORCED absorbs the score), + -inf
+    # drops a unit the base pattern does not allow
+    bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device)
+    if forced is not None:
+        bias = FORCED * forced.to(scores.dtype)
+    bias.masked_fill_(~allowed, -math.inf)
+    return topk_indices(scores.add_(bias), counts)
+
+
+def per_row_topk(q: Tensor, case: Any, kv_unit: int, heads_sel: int,
+                 score: Callable[[int, int, int, int, Tensor], Tensor],
+                 forced: Callable[[Tensor, Tensor], Tensor] | None) -> Tensor:
+    """int32 (B, heads_sel, q_len, K): the top-`budget` key units of each query row (q_unit 1) by `score`.
+
+    Rows go in chunks; each chunk scores only the span of key units its rows may see. `score(start, stop, lo,
+    hi, allowed)` gives float (B, heads_sel, stop - start, hi - lo) for rows [start, stop) and key units [lo, hi)
+    (allowed: bool (rows, units) of the base pattern); `forced(positions, units)` (rows, units), bool or int
+    priorities, marks the units kept before any other (allowed ones; `pick_topk`). K = the largest per-row count;
+    -1 pads.
+    """
+    b, h, q_len, _ = q.shape
+    pattern = base_pattern(case)
+    allowed_all = allowed_on(pattern, 1, kv_unit, q.device)  # (q_len, KU)
+    kv_units = allowed_all.shape[1]
+    counts = budget_counts(case.budget, allowed_all)  # (q_len,)
+    k_max = int(counts.max()) if counts.numel() else 0
+    out = torch.full((b, heads_sel, q_len, k_max), -1, dtype=torch.int32, device=q.device)
+    offset = pattern.seq_len - pattern.q_len  # query row r is position r + offset
+    for start, stop in row_chunks(q_len, b * h * kv_units):
+        allowed = allowed_all[start:stop]
+        lo, hi = key_span(allowed)
+        if hi == lo:
+            continue
+        allowed = allowed[:, lo:hi]
+        scores = score(start, stop, lo, hi, allowed)
+        positions = torch.arange(start, stop, device=q.device) + offset
+        must = forced(positions, torch.arange(lo, hi, device=q.device)) if forced is not None else None
+        picked = pick_topk(scores, allowed, must, counts[start:stop])
+        out[:, :, start:stop, : picked.shape[-1]] = torch.where(picked >= 0, picked + lo, -1)
+    return out
