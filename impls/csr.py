@@ -23,11 +23,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from bench.registry import Impl, register, setup_phase
+from bench.selection import TakesSelections
 from impls.common import InOrder, accum_dtype, run_steps, softmax_scale
 
 # Torch warns once per process that CSR support is beta; the conformance tests are what we rely on.
@@ -177,7 +179,7 @@ class Csr(Impl):
     name = "csr"
     description = "torch sparse CSR: sampled_addmm scores at allowed pairs, our row softmax, CSR x dense"
     fwd_bwd = True
-    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def prepare(self, case, pattern, q, k, v):
         b, h, nq, d = q.shape
@@ -198,8 +200,8 @@ class Csr(Impl):
         return call
 
     def prepare_selected(self, case, pattern, q, k, v):
-        """Attention over a selection: a CSR layout per selection head from the effective mask, built in the call
-        (a selection changes every call), then the same kernels."""
+        """Attention over a selection: a CSR layout per selection head from the effective mask, built in the
+        call (a selection changes every call), then the same kernels."""
         b, h, nq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         with setup_phase("mask"):
@@ -231,4 +233,5 @@ class Csr(Impl):
         return attend
 
     def record_extras(self) -> dict[str, object]:
-        return {"nnz_per_head": self._nnz} if self._nnz is not None else {}  # allowed pairs per query head of the q_len x seq_len matrix
+        # allowed pairs per query head of the q_len x seq_len matrix (none listed for selections: each differs)
+        return {"nnz_per_head": self._nnz} if self._nnz is not None else {}

@@ -7,10 +7,12 @@ Grouped-query attention without copying K or V: the query heads of one KV head a
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
 from bench.registry import Impl, register, setup_phase
+from bench.selection import TakesSelections
 from impls.common import accum_dtype, masked_softmax, masked_softmax_, softmax_scale
 
 
@@ -19,7 +21,7 @@ class Dense(Impl):
     name = "dense"
     description = "materialised scores + dense mask + softmax (O(N^2) memory)"
     fwd_bwd = True
-    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
         # the (N, N) bool mask and the float32 (B, H, N, N) scores; low precision also holds the matmul's

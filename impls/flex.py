@@ -18,11 +18,12 @@ so mode fwd_bwd is skipped on CPU with that reason; on CUDA it is differentiable
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from bench.registry import Impl, register, setup_phase
+from bench.selection import TakesSelections
 from impls.common import softmax_scale
 
 # Compiled graphs kept per compiled function: one per (pattern kind, dtype, device) at least; torch's
@@ -182,7 +183,7 @@ class Flex(Impl):
     name = "flex"
     description = "FlexAttention (torch.compile), BlockMask from the pattern's blocks and predicate; no CPU backward"
     fwd_bwd = True  # on CUDA; CPU fwd_bwd is unsupported (see unsupported)
-    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def unavailable(self) -> str | None:
         try:

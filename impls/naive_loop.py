@@ -11,10 +11,12 @@ query heads of one KV head read its keys through a broadcast, (B, Hkv, G, D) x (
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
 from bench.registry import Impl, register, setup_phase
+from bench.selection import TakesSelections
 from impls.common import accum_dtype, softmax_scale
 
 
@@ -23,7 +25,7 @@ class NaiveLoop(Impl):
     name = "naive_loop"
     description = "seed 001's per-query Python loop over an (N, N) score matrix, -inf outside the pattern"
     fwd_bwd = True
-    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
         return 2 * case.score_bytes()  # the float32 (B, H, N, N) matrix and its scaled copy under softmax

@@ -6,9 +6,12 @@ take the (q_len, N) mask as it is, so the bottom-right alignment is the pattern'
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch.nn.functional as F
 
 from bench.registry import Impl, register, setup_phase
+from bench.selection import TakesSelections
 
 
 @register
@@ -16,7 +19,7 @@ class Sdpa(Impl):
     name = "sdpa"
     description = "torch scaled_dot_product_attention with a boolean (q_len, N) mask; enable_gqa for GQA"
     fwd_bwd = True
-    selections = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
         return case.n_queries * case.seq_len  # the bool mask; the kernel PyTorch picks may need more, never less

@@ -12,7 +12,6 @@ from bench import api
 from bench.cli import main
 from bench.measure.fidelity import fidelity
 from bench.measure.reference import reference_attention_lse
-from bench.patterns import make_pattern
 from bench.plugins import load_plugin
 from bench.selection import Selection, SelectionError, effective_mask, get_selector, run_selector
 from bench.spec.case import Case
@@ -95,7 +94,7 @@ def test_the_log_sum_exp_of_rows_with_and_without_keys(impl):
 
     attend = get(impl).prepare_selected(case, pattern.fresh(), q, k, v)
     out, lse = attend(chosen)
-    expected_out, expected_lse = reference_attention_lse(q, k, v, pattern, extra_mask=lambda r: effective_mask(
+    _, expected_lse = reference_attention_lse(q, k, v, pattern, extra_mask=lambda r: effective_mask(
         chosen, pattern, r, case.heads, case.n_kv_heads))
     empty = torch.isinf(expected_lse)
     assert bool(empty[0, 0, :32].all()) and torch.equal(torch.isinf(lse), empty)
@@ -169,7 +168,7 @@ def test_a_selection_suite_records_three_times_fidelity_and_failures(tmp_path):
             assert r.status == "ok", (selector, impl, r.reason)
             s = r.selection
             assert s.selector == selector and s.time_s.n >= 1 and s.attention_time_s.n >= 1 and r.time_s.n >= 1
-            assert 0 < s.share and s.units_mean <= 3
+            assert s.share > 0 and s.units_mean <= 3
             assert r.fidelity.oracle_recall.mean >= r.fidelity.recall.mean - 1e-12
             assert r.error.rel_l2 < 1e-4 and r.fidelity.needles_found is not None
     assert by[("oracle_topk", "dense")].selection.reference and by[("oracle_topk", "dense")].time_s.n == 1

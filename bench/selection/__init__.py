@@ -11,6 +11,7 @@ from bench.selection.base import (
     SHARED,
     Selection,
     SelectionError,
+    TakesSelections,
     effective_mask,
     selection_heads,
     unit_size,
@@ -26,7 +27,7 @@ from bench.selection.registry import (
 from bench.selection.units import allowed_units, budget_counts, topk_indices
 
 __all__ = [
-    "DEFAULT_PAGE_SIZE", "SELECTORS", "SHARED", "Selection", "SelectionError", "SelectorInfo", "allowed_units",
-    "budget_counts", "effective_mask", "get_selector", "register_selector", "run_selector", "selection_heads",
+    "DEFAULT_PAGE_SIZE", "SELECTORS", "SHARED", "Selection", "SelectionError", "SelectorInfo", "TakesSelections",
+    "allowed_units", "budget_counts", "effective_mask", "get_selector", "register_selector", "run_selector", "selection_heads",
     "selector_names", "topk_indices", "unit_size",
 ]

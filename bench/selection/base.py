@@ -21,6 +21,8 @@ Shared = Literal["head", "kv_group", "all"]
 SHARED: tuple[str, ...] = ("head", "kv_group", "all")
 KvUnitName = Literal["token", "block", "page"]
 QUnitName = Literal["row", "block"]
+# What an implementation attends over: {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+TakesSelections = dict[str, tuple[int | str, ...]]
 DEFAULT_PAGE_SIZE = 16  # Quest's and FlashInfer's page of 16 tokens, where the case sets none
 
 

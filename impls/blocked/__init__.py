@@ -16,7 +16,10 @@ through torch's fused flash kernel on low-precision bands (`fused`), else throug
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from bench.registry import Impl, register, setup_phase
+from bench.selection import TakesSelections
 from impls.blocked.attention import blocked_attention
 from impls.blocked.fused import FUSED_ROWS, fused_available
 from impls.blocked.kernel import (
@@ -37,7 +40,7 @@ class Blocked(Impl):
     name = "blocked"
     description = "dense matmuls over the block layout: sliding windows for bands, gathered blocks otherwise"
     fwd_bwd = True
-    selections = {"q_unit": (1, "block"), "kv_unit": ("block",)}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("block",)}
 
     def prepare(self, case, pattern, q, k, v):
         b, h, nq, d = q.shape

@@ -59,7 +59,7 @@ def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: i
     """Tables of the tasks whose selection heads are `task_heads` (B*T,) taken over batch-major tasks."""
     nkb = math.ceil(n / bs)
     blocks, bits = chosen_blocks(selection, nq, nkb, bs)
-    b, h_sel = blocks.shape[:2]
+    b = blocks.shape[0]
     tasks_per_batch = task_heads.numel()
     blocks = blocks[:, task_heads] & (slot >= -1)  # (B, T, QB, KB): allowed by the base pattern too
     counts = blocks.sum(dim=-1)
