@@ -28,6 +28,6 @@ from bench.selection.units import allowed_units, budget_counts, topk_indices
 
 __all__ = [
     "DEFAULT_PAGE_SIZE", "SELECTORS", "SHARED", "Selection", "SelectionError", "SelectorInfo", "TakesSelections",
-    "allowed_units", "budget_counts", "effective_mask", "get_selector", "register_selector", "run_selector", "selection_heads",
-    "selector_names", "topk_indices", "unit_size",
+    "allowed_units", "budget_counts", "effective_mask", "get_selector", "register_selector", "run_selector",
+    "selection_heads", "selector_names", "topk_indices", "unit_size",
 ]
