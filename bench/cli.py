@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the cases and implementations, run nothing")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("list", help="implementations, patterns or hardware, with availability")
-    p.add_argument("what", nargs="?", choices=["impls", "patterns", "hardware"], default="impls")
+    p = sub.add_parser("list", help="implementations, patterns, selectors or hardware, with availability")
+    p.add_argument("what", nargs="?", choices=["impls", "patterns", "selectors", "hardware"], default="impls")
     p.add_argument("--plugin", action="append", metavar="MODULE|FILE.py",
                    help="import this plugin first, to list what it registers (repeatable)")
     p.add_argument("--suite", metavar="SUITE.yaml", help="import the plugins this suite names first")

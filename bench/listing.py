@@ -1,4 +1,4 @@
-"""`bench list`: implementations with availability, patterns with their fields."""
+"""`bench list`: implementations with availability, patterns with their fields, selectors with their units."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from rich.table import Table
 
 from bench import registry
 from bench.patterns import PATTERNS
+from bench.selection import get_selector, selector_names
 
 
 def impls_table() -> Table:
@@ -34,11 +35,32 @@ def patterns_table() -> Table:
     return table
 
 
+def selectors_table() -> Table:
+    """The selectors (bench.selection), with their units and the implementations that attend over them."""
+    registry.names()  # installed plugin packages register their selectors too
+    table = Table(title="selectors (data-dependent sparse attention: key units chosen from q, k)")
+    for column in ("name", "query unit", "key unit", "shared by", "keeps", "source", "attended by", "description"):
+        table.add_column(column)
+    impls = registry.all_impls()
+    probe = registry.Case()
+    for name in selector_names():
+        info = get_selector(name)
+        takers = [i.name for i in impls if i.unsupported_selection(probe, info.q_unit, info.kv_unit, info.shared) is None]
+        keeps = ("a budget" if info.takes == "budget" else "a threshold of mass") + (" (reference)" if info.reference
+                                                                                      else "")
+        table.add_row(name, info.q_unit, info.kv_unit, info.shared, keeps, escape(info.source),
+                      ", ".join(takers) or "-", escape(info.description))
+    table.caption = "docs/selectors.md: what each computes, where it simplifies its paper, its cost"
+    return table
+
+
 def list_command(what: str, console: Console) -> int:
     if what == "impls":
         console.print(impls_table())
     elif what == "patterns":
         console.print(patterns_table())
+    elif what == "selectors":
+        console.print(selectors_table())
     else:
         from bench.measure.hardware import hardware_table
 

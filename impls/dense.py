@@ -28,7 +28,8 @@ class Dense(Impl):
         # scores in the input dtype while converting; backward keeps a second float32 buffer (scaled scores)
         low = case.element_bytes < 4
         buffers = case.score_bytes() * (2 if case.mode == "fwd_bwd" else 1)
-        return case.n_queries * case.seq_len + buffers + (case.score_bytes(case.element_bytes) if low else 0)
+        mask = case.score_bytes(1) if case.selector is not None else case.n_queries * case.seq_len  # bool
+        return mask + buffers + (case.score_bytes(case.element_bytes) if low else 0)
 
     def prepare(self, case, pattern, q, k, v):
         with setup_phase("mask"):

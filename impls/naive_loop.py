@@ -28,7 +28,8 @@ class NaiveLoop(Impl):
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
-        return 2 * case.score_bytes()  # the float32 (B, H, N, N) matrix and its scaled copy under softmax
+        # the float32 (B, H, N, N) matrix and its scaled copy under softmax (and a selection's bool mask)
+        return 2 * case.score_bytes() + (case.score_bytes(1) if case.selector is not None else 0)
 
     def prepare(self, case, pattern, q, k, v):
         keys: list[slice | torch.Tensor] = []

@@ -22,6 +22,8 @@ class Sdpa(Impl):
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
+        if case.selector is not None:  # the effective (B, H, Nq, N) bool mask, and the math path's float scores
+            return case.score_bytes(1) + case.score_bytes()
         return case.n_queries * case.seq_len  # the bool mask; the kernel PyTorch picks may need more, never less
 
     def prepare(self, case, pattern, q, k, v):
