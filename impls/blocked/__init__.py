@@ -106,7 +106,7 @@ class Blocked(Impl):
             self._extras["kernel_unavailable"] = kernel_missing
 
         def attend(selection):
-            if kernel_missing is not None or (selection.q_unit != bs and bs > 64):  # row bits fit 64 rows
+            if kernel_missing is not None:
                 return gathered_attention(selection, pattern, q, k, v, scale, bs)
             task_heads, per_query_head = tasks_of(selection, h, hkv)
             tables = head_tables(selection, slot, masks, nq, n, bs, task_heads)

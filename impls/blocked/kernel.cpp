@@ -164,8 +164,8 @@ template <typename T>
 void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
             const int32_t* mask_slot, const bool* masks, float scale, int64_t tables, int64_t heads_per_kv,
-            const int64_t* row_bits, float* lse) {
-  const int64_t nqb = (nq + bs - 1) / bs, nkb = (n + bs - 1) / bs;
+            const int64_t* row_bits, float* lse, int64_t tm) {
+  const int64_t nqb = (nq + tm - 1) / tm, nkb = (n + bs - 1) / bs;  // nqb: query tiles of tm rows
   const int64_t width = CHUNK * bs;
   at::parallel_for(0, heads * nqb, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_m = g * bs;
@@ -175,9 +175,10 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
       const int64_t h = task / nqb, r = task % nqb;
       const int64_t kvh = h / heads_per_kv;  // the packed K/V head this task reads
       const int64_t slot0 = ((tables == 1 ? 0 : h) * nqb + r) * max_kv;  // this task's table row
-      const int64_t rows = std::min(bs, nq - r * bs), mm = g * rows;
-      for (int64_t gi = 0; gi < g; ++gi)  // tile row gi * rows + t = query head gi's row r*bs + t
-        std::memcpy(qt.data() + gi * rows * d, q + ((h * g + gi) * nq + r * bs) * d, rows * d * sizeof(T));
+      const int64_t rows = std::min(tm, nq - r * tm), mm = g * rows;
+      const int64_t mask_row = (r * tm) % bs;  // the tile's first row inside its base query block's masks
+      for (int64_t gi = 0; gi < g; ++gi)  // tile row gi * rows + t = query head gi's row r*tm + t
+        std::memcpy(qt.data() + gi * rows * d, q + ((h * g + gi) * nq + r * tm) * d, rows * d * sizeof(T));
       std::fill(o.begin(), o.begin() + mm * d, 0.f);
       std::fill(m.begin(), m.begin() + mm, NEG_INF);
       std::fill(l.begin(), l.begin() + mm, 0.f);
@@ -201,7 +202,7 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
               continue;
             }
             if (slot >= 0) {
-              const bool* allowed = masks + (slot * bs + t) * bs;
+              const bool* allowed = masks + (slot * bs + mask_row + t) * bs;
               for (int64_t x = 0; x < bs; ++x)
                 if (!allowed[x]) block[x] = NEG_INF;
             }
@@ -230,24 +231,26 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
         const int64_t gi = i / rows, t = i % rows;
         float* row = o.data() + i * d;
         scale_row(row, d, l[i] > 0.f ? 1.f / l[i] : 0.f);
-        convert_row(row, out + ((h * g + gi) * nq + r * bs + t) * d, d);
-        if (lse != nullptr) lse[(h * g + gi) * nq + r * bs + t] = l[i] > 0.f ? m[i] + std::log(l[i]) : NEG_INF;
+        convert_row(row, out + ((h * g + gi) * nq + r * tm + t) * d, d);
+        if (lse != nullptr) lse[(h * g + gi) * nq + r * tm + t] = l[i] > 0.f ? m[i] + std::log(l[i]) : NEG_INF;
       }
     }
     at::native::cpublas::brgemm_release(kVnni<T>);
   });
 }
 
-// q (H, G, Nq, D), k, v (H / heads_per_kv, N, D), all contiguous in one dtype; the block table: kv_index,
-// mask_slot int32 (T, nqb, max_kv) (mask_slot -1: a full block), kv_count int32 (T, nqb), T = 1 (one table for
-// every head: a pattern's block-sparse view) or H (one per head: a selection); masks bool (P, bs, bs);
-// row_bits int64 (T, nqb, max_kv) or empty (module comment of attend). own_pairs: the 16-bit VNNI pairs written
+// q (H, G, Nq, D), k, v (H / heads_per_kv, N, D), all contiguous in one dtype; the block table per query tile of
+// tile_rows rows (0: block_size; smaller tiles for selections per row, whose union per tile is then smaller):
+// kv_index, mask_slot int32 (T, tiles, max_kv) (mask_slot -1: a full block; p: masks[p], the base query block's
+// own, read at the tile's rows), kv_count int32 (T, tiles), T = 1 (one table for every head: a pattern's
+// block-sparse view) or H (one per head: a selection); masks bool (P, bs, bs); row_bits int64 (T, tiles,
+// max_kv) or empty (module comment of attend). own_pairs: the 16-bit VNNI pairs written
 // by pack_b even where oneDNN's packer exists. Returns (out (H, G, Nq, D), lse (H, G, Nq) float32).
 std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& kv_index, const torch::Tensor& kv_count,
                                            const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
                                            int64_t bs, bool own_pairs, int64_t heads_per_kv,
-                                           const torch::Tensor& row_bits) {
+                                           const torch::Tensor& row_bits, int64_t tile_rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "q (H, G, Nq, D), k and v (H, N, D)");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -256,15 +259,17 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
   const int64_t heads = q.size(0), g = q.size(1), nq = q.size(2), d = q.size(3), n = k.size(1);
   TORCH_CHECK(heads_per_kv >= 1 && k.size(0) * heads_per_kv == heads && k.size(2) == d,
               "k (H / heads_per_kv, N, D) matching q");
-  const int64_t nkb = (n + bs - 1) / bs, nqb = (nq + bs - 1) / bs;
+  const int64_t tm = tile_rows > 0 ? tile_rows : bs;
+  TORCH_CHECK(tm <= bs && bs % tm == 0, "tile_rows divides block_size");
+  const int64_t nkb = (n + bs - 1) / bs, nqb = (nq + tm - 1) / tm;
   TORCH_CHECK(kv_index.dim() == 3 && kv_count.dim() == 2 && mask_slot.sizes() == kv_index.sizes(),
               "kv_index, mask_slot (T, nqb, max_kv), kv_count (T, nqb)");
   const int64_t tables = kv_index.size(0), max_kv = kv_index.size(2);
   TORCH_CHECK((tables == 1 || tables == heads) && kv_count.size(0) == tables, "one table, or one per head");
-  TORCH_CHECK(kv_index.size(1) == nqb && kv_count.size(1) == nqb, "one table row per query block");
+  TORCH_CHECK(kv_index.size(1) == nqb && kv_count.size(1) == nqb, "one table row per query tile");
   const bool bits = row_bits.defined() && row_bits.numel() > 0;
-  TORCH_CHECK(!bits || (row_bits.scalar_type() == at::kLong && row_bits.sizes() == kv_index.sizes() && bs <= 64),
-              "row_bits int64 (T, nqb, max_kv), block_size <= 64");
+  TORCH_CHECK(!bits || (row_bits.scalar_type() == at::kLong && row_bits.sizes() == kv_index.sizes() && tm <= 64),
+              "row_bits int64 (T, tiles, max_kv), tiles of at most 64 rows");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, g, nq}, q.options().dtype(at::kFloat));
   auto kp = torch::empty({k.size(0) * nkb * d * bs}, k.options());
@@ -276,7 +281,7 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
     attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq, n, d, bs,
               kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv, mask_slot.data_ptr<int32_t>(),
               masks.data_ptr<bool>(), static_cast<float>(scale), tables, heads_per_kv,
-              bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>());
+              bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm);
   };
   switch (q.scalar_type()) {
     case at::kFloat: table(float{}); break;
@@ -293,7 +298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_attention", &block_attention, "attention over a block table (inference, CPU)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("kv_index"), py::arg("kv_count"), py::arg("mask_slot"),
         py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false,
-        py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor());
+        py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor(), py::arg("tile_rows") = 0);
   m.def("library_packs", [](py::object dtype) {
     return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));
   }, "whether oneDNN's packer lays out B operands of this 16-bit dtype (AMX machines)");

@@ -158,7 +158,7 @@ def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: 
     assert module is not None, "kernel_attention needs the built kernel (see unavailable_reason)"
     out, _ = module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index[None],
                                     table.kv_count[None], table.mask_slot[None], table.masks, scale, table.block,
-                                    own_pairs, 1, _NO_BITS)
+                                    own_pairs, 1, _NO_BITS, 0)
     return out
 
 
@@ -167,8 +167,9 @@ _NO_BITS = torch.empty(0, dtype=torch.int64)
 
 @dataclass(frozen=True)
 class HeadTables:
-    """Block tables per task head (a selection's): kv_index, mask_slot (T, nqb, max_kv), kv_count (T, nqb), the
-    partial blocks' masks, and row_bits (T, nqb, max_kv) int64 where rows of a query block select apart."""
+    """Block tables per task head (a selection's) and query tile: kv_index, mask_slot (T, tiles, max_kv), kv_count
+    (T, tiles), the partial blocks' masks, and row_bits (T, tiles, max_kv) int64 where rows of a tile select
+    apart."""
 
     block: int
     kv_index: Tensor
@@ -176,6 +177,7 @@ class HeadTables:
     mask_slot: Tensor
     masks: Tensor
     row_bits: Tensor
+    tile_rows: int  # query rows per table row (a divisor of block)
 
 
 def kernel_attention_tables(tables: HeadTables, q: Tensor, k: Tensor, v: Tensor, scale: float,
@@ -185,4 +187,4 @@ def kernel_attention_tables(tables: HeadTables, q: Tensor, k: Tensor, v: Tensor,
     assert module is not None, "kernel_attention_tables needs the built kernel (see unavailable_reason)"
     return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), tables.kv_index, tables.kv_count,
                                   tables.mask_slot, tables.masks, scale, tables.block, False, heads_per_kv,
-                                  tables.row_bits)
+                                  tables.row_bits, tables.tile_rows)

@@ -25,6 +25,10 @@ from bench.selection import Selection
 from impls.blocked.kernel import HeadTables
 
 GATHER_ELEMENTS = 1 << 24  # gathered key elements (per chunk of query blocks) the torch path holds at once
+# Query rows per kernel tile for selections per row: the tile runs over the union of its rows' blocks, so fewer
+# rows waste fewer blocks (MoBA at 4K, budget 1/8: the union of 64 rows' blocks was several times one row's),
+# while G * 16 rows still make a GEMM's M for GQA groups.
+ROW_TILE = 16
 
 
 def base_slots(pattern, bs: int) -> tuple[Tensor, Tensor]:
@@ -40,28 +44,30 @@ def base_slots(pattern, bs: int) -> tuple[Tensor, Tensor]:
     return slot, masks.contiguous()
 
 
-def chosen_blocks(selection: Selection, nq: int, nkb: int, bs: int) -> tuple[Tensor, Tensor | None]:
-    """(blocks (B, H_sel, QB, KB) bool kept by some row of each query block, row_bits (B, H_sel, QB, KB) int64 or
-    None: bit t set where row t of the query block kept the key block; None for a block query unit)."""
+def chosen_blocks(selection: Selection, nq: int, nkb: int, tile: int) -> tuple[Tensor, Tensor | None]:
+    """(blocks (B, H_sel, tiles, KB) bool kept by some row of each query tile of `tile` rows, row_bits (same)
+    int64 or None: bit t set where row t of the tile kept the key block; None for a block query unit)."""
     units = selection.unit_mask(nkb)  # (B, H_sel, U, KB)
-    if selection.q_unit == bs:
+    if selection.q_unit == tile:
         return units, None
     b, h_sel, _, _ = units.shape
-    nqb = math.ceil(nq / bs)
-    rows = torch.nn.functional.pad(units, (0, 0, 0, nqb * bs - nq)).view(b, h_sel, nqb, bs, nkb)
-    weights = torch.ones(bs, dtype=torch.int64, device=units.device) << torch.arange(bs, device=units.device)
+    tiles = math.ceil(nq / tile)
+    rows = torch.nn.functional.pad(units, (0, 0, 0, tiles * tile - nq)).view(b, h_sel, tiles, tile, nkb)
+    weights = torch.ones(tile, dtype=torch.int64, device=units.device) << torch.arange(tile, device=units.device)
     bits = (rows.to(torch.int64) * weights[:, None]).sum(dim=3)  # distinct powers of two: the bit pattern
     return rows.any(dim=3), bits
 
 
 def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: int, bs: int,
                 task_heads: Tensor) -> HeadTables:
-    """Tables of the tasks whose selection heads are `task_heads` (B*T,) taken over batch-major tasks."""
+    """Tables of the tasks whose selection heads are `task_heads` (T,), over batch-major tasks (B*T)."""
     nkb = math.ceil(n / bs)
-    blocks, bits = chosen_blocks(selection, nq, nkb, bs)
+    tile = bs if selection.q_unit == bs else min(bs, ROW_TILE)
+    blocks, bits = chosen_blocks(selection, nq, nkb, tile)
     b = blocks.shape[0]
     tasks_per_batch = task_heads.numel()
-    blocks = blocks[:, task_heads] & (slot >= -1)  # (B, T, QB, KB): allowed by the base pattern too
+    slot = slot.repeat_interleave(bs // tile, dim=0)[: blocks.shape[2]]  # each tile reads its query block's row
+    blocks = blocks[:, task_heads] & (slot >= -1)  # (B, T, tiles, KB): allowed by the base pattern too
     counts = blocks.sum(dim=-1)
     width = max(int(counts.max()) if counts.numel() else 0, 1)
     order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)[..., :width]  # kept blocks first
@@ -72,7 +78,7 @@ def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: i
     row_bits = torch.empty(0, dtype=torch.int64)
     if bits is not None:
         row_bits = flat(torch.gather(bits[:, task_heads], -1, order.to(torch.int64)))
-    return HeadTables(bs, flat(kv_index), flat(counts.to(torch.int32)), flat(mask_slot), masks, row_bits)
+    return HeadTables(bs, flat(kv_index), flat(counts.to(torch.int32)), flat(mask_slot), masks, row_bits, tile)
 
 
 def tasks_of(selection: Selection, heads: int, kv_heads: int) -> tuple[Tensor, bool]:
@@ -91,7 +97,7 @@ def gathered_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: T
     hkv, n = k.shape[1], k.shape[2]
     nqb, nkb = math.ceil(nq / bs), math.ceil(n / bs)
     slot, _ = base_slots(pattern, bs)
-    blocks, _ = chosen_blocks(selection, nq, nkb, bs)
+    blocks, _ = chosen_blocks(selection, nq, nkb, bs)  # per query block: the union of its rows' blocks
     heads_of = selection.head_index(h, hkv).to(blocks.device)
     blocks = blocks[:, heads_of] & (slot >= -1).to(blocks.device)  # (B, H, QB, KB)
     width = max(int(blocks.sum(dim=-1).max()) if blocks.numel() else 0, 1)
