@@ -45,7 +45,8 @@ def selectors_table() -> Table:
     probe = registry.Case()
     for name in selector_names():
         info = get_selector(name)
-        takers = [i.name for i in impls if i.unsupported_selection(probe, info.q_unit, info.kv_unit, info.shared) is None]
+        takers = [i.name for i in impls
+                  if i.unsupported_selection(probe, info.q_unit, info.kv_unit, info.shared) is None]
         keeps = ("a budget" if info.takes == "budget" else "a threshold of mass") + (" (reference)" if info.reference
                                                                                       else "")
         table.add_row(name, info.q_unit, info.kv_unit, info.shared, keeps, escape(info.source),

@@ -96,6 +96,8 @@ class Row:
     peak_source: str | None = None
     peak_hardware: str | None = None
     attention_stats: dict[str, Any] | None = None  # bench.measure.attention_stats of the case's inputs
+    selection: dict[str, Any] | None = None  # a selection case's selector, units and three times
+    fidelity: dict[str, Any] | None = None  # a selection case's closeness to dense attention
 
     @property
     def modelled(self) -> bool:
@@ -198,6 +200,8 @@ def row_from_record(run: Run, record: Record) -> Row:
         peak_fraction=peak.fraction if peak else None, peak_flops=peak.peak_flops if peak else None,
         peak_source=peak.source if peak else None, peak_hardware=peak.hardware if peak else None,
         attention_stats=record.attention_stats.model_dump() if record.attention_stats else None,
+        selection=record.selection.model_dump() if record.selection else None,
+        fidelity=record.fidelity.model_dump() if record.fidelity else None,
     )
 
 

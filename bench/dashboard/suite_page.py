@@ -17,6 +17,7 @@ from bench.dashboard.views_correctness import correctness_figure
 from bench.dashboard.views_history import HistorySeries, history_figure
 from bench.dashboard.views_inputs import inputs_figure
 from bench.dashboard.views_memory import memory_figure, peak_figure
+from bench.dashboard.views_selection import selection_share_figure, time_recall_figure
 from bench.dashboard.views_time import speedup_figure, time_figure
 from bench.results.records import STATUSES
 from bench.results.store import Run
@@ -109,6 +110,8 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         ("peak", lambda: _one(peak_figure(rows, colours))),
         ("correctness", lambda: _one(correctness_figure(rows))),
         ("inputs", lambda: _one(inputs_figure(rows))),
+        ("selection", lambda: _one(time_recall_figure(rows, colours))),
+        ("selection_share", lambda: _one(selection_share_figure(rows, colours))),
         ("history", lambda: _one(history_figure(history, commits, colours))),
     ]
     for view, build in builders:

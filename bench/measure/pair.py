@@ -249,9 +249,15 @@ class PairSession:
         """The selector alone, the attention over the fixed selection, and end to end (the pair's time_s)."""
         assert self.selected is not None and self.timer is not None
         info, selection, steps = self.selected
-        # a reference selector computes dense attention: one call says what it costs
+        # a reference selector computes dense attention: one call says what it costs, once per case (its time
+        # does not depend on the implementation that attends over its selection)
         once = TimingPolicy(warmup=0, repeat=1, max_time_s=1e-9) if info.reference else policy
-        selector_time = measure(steps.selector, once, self.timer)
+        if info.reference and "reference_selector_time" in self.cache.oracle:
+            selector_time = self.cache.oracle["reference_selector_time"]
+        else:
+            selector_time = measure(steps.selector, once, self.timer)
+            if info.reference:
+                self.cache.oracle["reference_selector_time"] = selector_time
         attention_time = measure(steps.attention, policy, self.timer)
         end_to_end = measure(steps.end_to_end, once, self.timer)
         fid = self.base.get("fidelity") or {}
