@@ -85,9 +85,30 @@ def copy_bandwidth(device: str, settings: Settings, timer: Timer | None = None) 
     return {"bytes_per_s": 2.0 * nbytes / stats["median"], "bytes": nbytes, "time_s": _brief(stats)}
 
 
+def read_bandwidth(device: str, settings: Settings, timer: Timer | None = None, threads: int | None = None
+                   ) -> dict[str, Any]:
+    """Bytes/s of a sum over a buffer far larger than the caches: the streaming read decode makes of a KV cache
+    (each byte read once, nothing written). `threads`: torch's intra-op threads for it (None: as configured)."""
+    import torch
+
+    timer = timer or timer_for(device)
+    nbytes = settings.copy_bytes[device.split(":")[0]] * 2
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        stats = measure(lambda: src.sum(), settings.policy, timer)
+    finally:
+        torch.set_num_threads(previous)
+    return {"bytes_per_s": nbytes / stats["median"], "bytes": nbytes, "threads": threads or previous,
+            "time_s": _brief(stats)}
+
+
 def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings | None = None,
               timer: Timer | None = None) -> dict[str, Any]:
-    """Matmul rate per dtype (and TF32 on CUDA when float32 is asked) and copy bandwidth on `device`."""
+    """Matmul rate per dtype (and TF32 on CUDA when float32 is asked), copy bandwidth, and read bandwidth with all
+    threads and with one (CPU) on `device`."""
     import torch
 
     from bench.measure.env import device_description
@@ -98,9 +119,12 @@ def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings |
     matmul = {dtype: matmul_rate(device, dtype, settings, timer) for dtype in dtypes}
     if device.startswith("cuda") and "float32" in dtypes:
         matmul["tf32"] = matmul_rate(device, "float32", settings, timer, tf32=True)
+    read = {"all_threads": read_bandwidth(device, settings, timer)}
+    if not device.startswith("cuda"):
+        read["one_thread"] = read_bandwidth(device, settings, timer, threads=1)
     return {"device": device_description(device), "backend": device.split(":")[0], "measured_at": utc_now(),
             "torch_threads": torch.get_num_threads(), "matmul": matmul,
-            "copy": copy_bandwidth(device, settings, timer)}
+            "copy": copy_bandwidth(device, settings, timer), "read": read}
 
 
 # --- storage -----------------------------------------------------------------------------------------------
@@ -139,28 +163,43 @@ def load(results: Path, fingerprint: str) -> dict[str, Any] | None:
 
 
 def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
-             calibration: Calibration | None, gpu: tuple[str, int] | None = None) -> dict[str, Any] | None:
-    """The record's `peak`: calibrated when this machine was, else the datasheet of a known GPU, else None.
+             calibration: Calibration | None, gpu: tuple[str, int] | None = None,
+             bytes_per_s: float | None = None, flops: float | None = None, bytes_moved: int | None = None
+             ) -> dict[str, Any] | None:
+    """The record's `peak`: the compute roof (the calibrated matmul rate of the dtype, else a known GPU's
+    datasheet) and the memory roof (the calibrated all-thread read bandwidth, else the GPU's datasheet memory
+    bandwidth), the achieved fraction of each, and which roof binds (the larger of bytes / bandwidth and flops /
+    peak: the floor the call cannot go under). None when neither roof is known.
 
-    `gpu`: (name, memory bytes) of the CUDA device, looked up in bench.measure.hardware for the datasheet figure.
+    `gpu`: (name, memory bytes) of the CUDA device, looked up in bench.measure.hardware for the datasheet figures.
     """
-    if not flops_per_s:
-        return None
+    out: dict[str, Any] = {}
     rates = calibration.matmul if calibration is not None else {}
     key = "tf32" if device.startswith("cuda") and dtype == "float32" and tf32 and "tf32" in rates else dtype
-    if key in rates:
-        peak = float(rates[key]["flops_per_s"])
-        return {"fraction": flops_per_s / peak, "peak_flops": peak, "source": "calibrated",
-                "hardware": f"{calibration.device if calibration else None} {key} matmul"}
+    spec = None
     if device.startswith("cuda") and gpu is not None:
         from bench.measure.hardware import match_gpu
 
         spec = match_gpu(*gpu)
-        if spec is not None:
-            peak, unit = spec.peak_flops(dtype, tf32)
-            return {"fraction": flops_per_s / peak, "peak_flops": peak, "source": "datasheet",
-                    "hardware": f"{spec.key} {unit}"}
-    return None
+    if key in rates:
+        peak = float(rates[key]["flops_per_s"])
+        out.update(peak_flops=peak, source="calibrated", hardware=f"{calibration.device if calibration else None} "
+                                                                   f"{key} matmul")
+    elif spec is not None:
+        peak, unit = spec.peak_flops(dtype, tf32)
+        out.update(peak_flops=peak, source="datasheet", hardware=f"{spec.key} {unit}")
+    if flops_per_s and out.get("peak_flops"):
+        out["fraction"] = flops_per_s / out["peak_flops"]
+    read = calibration.read_bandwidth() if calibration is not None else None
+    if read:
+        out.update(bandwidth=read, bandwidth_source="calibrated all-thread read")
+    elif spec is not None:
+        out.update(bandwidth=spec.memory_bandwidth, bandwidth_source=f"{spec.key} datasheet memory bandwidth")
+    if out.get("bandwidth") and bytes_per_s:
+        out["bandwidth_fraction"] = bytes_per_s / out["bandwidth"]
+    if out.get("bandwidth") and out.get("peak_flops") and flops is not None and bytes_moved is not None:
+        out["bound"] = "memory" if bytes_moved / out["bandwidth"] >= flops / out["peak_flops"] else "compute"
+    return out or None
 
 
 def gpu_identity(device: str) -> tuple[str, int] | None:
@@ -191,9 +230,14 @@ def command(device: str, results: Path, quick: bool, dtypes: list[str], console:
                       f"{m['time_s']['median'] * 1e3:.4g} ms", f"{rel:.2%}" if rel is not None else "-")
     c = result["copy"]
     rel = c["time_s"]["rel_ci95"]
-    table.add_row("copy", f"{c['bytes'] / 2**20:g} MiB", f"{c['bytes_per_s'] / 1e9:.4g} GB/s",
+    table.add_row("copy (read + write counted)", f"{c['bytes'] / 2**20:g} MiB", f"{c['bytes_per_s'] / 1e9:.4g} GB/s",
                   f"{c['time_s']['median'] * 1e3:.4g} ms", f"{rel:.2%}" if rel is not None else "-")
+    for name, r in result["read"].items():
+        rel = r["time_s"]["rel_ci95"]
+        table.add_row(f"read, {r['threads']} thread(s) ({name.replace('_', ' ')})", f"{r['bytes'] / 2**20:g} MiB",
+                      f"{r['bytes_per_s'] / 1e9:.4g} GB/s", f"{r['time_s']['median'] * 1e3:.4g} ms",
+                      f"{rel:.2%}" if rel is not None else "-")
     console.print(table)
     console.print(f"stored: {path} (environment fingerprint {env.fingerprint}); runs into {results} with this "
-                  "fingerprint compare their FLOP rates with it")
+                  "fingerprint compare their FLOP rates and their bytes moved (the all-thread read) with it")
     return 0

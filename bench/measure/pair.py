@@ -44,6 +44,7 @@ from bench.measure.selected import (
     check_selected,
     prepare_selected_call,
     selected_steps,
+    selection_kv_rows,
     selection_record,
     split_output,
 )
@@ -161,7 +162,8 @@ class PairSession:
             pattern = cache.for_case(case)
             self.base.update(density=pattern.density, block_density=pattern.block_density(case.block_size),
                              flops=flop_counts.useful_flops(case, pattern.nnz),
-                             flops_dense=flop_counts.dense_flops(case))
+                             flops_dense=flop_counts.dense_flops(case),
+                             bytes=flop_counts.min_bytes(case, flop_counts.pattern_kv_rows(case, pattern)))
             self.current = "inputs"
             self.phase(self.current)
             if cache.inputs is None:
@@ -261,6 +263,10 @@ class PairSession:
         attention_time = measure(steps.attention, policy, self.timer)
         end_to_end = measure(steps.end_to_end, once, self.timer)
         fid = self.base.get("fidelity") or {}
+        pattern = self.cache.pattern
+        if pattern is not None:  # the bytes of what the selection keeps, not of the whole base
+            rows = selection_kv_rows(selection, pattern, self.case.heads, self.case.n_kv_heads)
+            self.base["bytes"] = flop_counts.min_bytes(self.case, rows)
         self.base["selection"] = selection_record(info, self.case, selection, fid.get("density"), selector_time,
                                                   attention_time, end_to_end)
         return end_to_end
@@ -316,8 +322,11 @@ class PairSession:
     def record(self, time_s: dict[str, Any], memory: dict[str, Any] | None,
                device_state: dict[str, Any] | None = None) -> Record:
         flops_per_s = self.base["flops"] / time_s["median"] if time_s["median"] > 0 else None
+        moved = self.base.get("bytes")
+        bytes_per_s = moved / time_s["median"] if moved is not None and time_s["median"] > 0 else None
         peak = peak_for(flops_per_s, self.case.dtype, self.case.device, self.impl.tf32(self.case),
-                        self.task.measure.calibration, gpu_identity(self.case.device))
+                        self.task.measure.calibration, gpu_identity(self.case.device), bytes_per_s,
+                        self.base["flops"], moved)
         status = "incorrect" if self.problem else "ok"
         return self._finish(status=status, reason=self.problem, time_s=time_s, memory=memory, error=self.error,
                             flops_per_s=flops_per_s, env=device_state, peak=peak)

@@ -167,6 +167,24 @@ def selected_steps(info: SelectorInfo, case: Case, attend: Callable[[Selection],
     return SelectedSteps(select, backward_over(lambda: selection), backward_over(select))
 
 
+def selection_kv_rows(selection: Selection, pattern: Pattern, heads: int, kv_heads: int) -> int:
+    """`min_bytes`' kv_rows of a selection: per (sequence, KV head), the keys of the units some row of some query
+    head of its group kept that the base pattern lets some row see, summed."""
+    from bench.selection import allowed_units
+
+    n = pattern.seq_len
+    kv_units = math.ceil(n / selection.kv_unit)
+    base_keys = allowed_units(pattern, max(1, pattern.q_len), 1)[0]  # (N,) keys some row may see
+    per_unit = torch.nn.functional.pad(base_keys, (0, kv_units * selection.kv_unit - n)).view(
+        kv_units, selection.kv_unit).sum(dim=-1)  # (KU,)
+    kept = selection.unit_mask(kv_units).any(dim=2).cpu()  # (B, H_sel, KU): kept by some query unit
+    heads_of = selection.head_index(heads, kv_heads)
+    by_kv = torch.zeros(kept.shape[0], kv_heads, kv_units, dtype=torch.bool)
+    for h in range(heads):  # a KV head reads what any of its query heads' selections keep
+        by_kv[:, h // (heads // kv_heads)] |= kept[:, int(heads_of[h])]
+    return int((by_kv.to(torch.int64) * per_unit).sum())
+
+
 def selection_record(info: SelectorInfo, case: Case, selection: Selection, density: float | None,
                      selector_time: dict[str, Any], attention_time: dict[str, Any],
                      end_to_end: dict[str, Any]) -> dict[str, Any]:

@@ -79,7 +79,8 @@ class Versions(BaseModel):
 
 
 class Calibration(BaseModel):
-    """This machine's matmul rates per dtype and copy bandwidth (bench.measure.calibrate), or why it failed."""
+    """This machine's matmul rates per dtype, copy and read bandwidths (bench.measure.calibrate), or why it
+    failed."""
 
     model_config = _OPEN
     device: str | None = None
@@ -88,12 +89,18 @@ class Calibration(BaseModel):
     torch_threads: int | None = None
     matmul: dict[str, dict[str, Any]] = Field(default_factory=dict)
     copy_: dict[str, Any] | None = Field(default=None, alias="copy")
+    read: dict[str, Any] | None = None  # {all_threads, one_thread}: each {bytes_per_s, bytes, threads, time_s}
     source: str | None = None
     error: str | None = None
 
     def rate(self, key: str) -> float | None:
         entry = self.matmul.get(key)
         return None if entry is None else float(entry["flops_per_s"])
+
+    def read_bandwidth(self) -> float | None:
+        """The all-thread read bandwidth (bytes/s), the memory roof of every record on this machine."""
+        entry = (self.read or {}).get("all_threads")
+        return None if entry is None else float(entry["bytes_per_s"])
 
 
 # The fields of an environment that make timings comparable, in one place: the fingerprint hashes them, and a

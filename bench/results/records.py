@@ -134,13 +134,19 @@ class ErrorInfo(BaseModel):
 
 
 class PeakInfo(BaseModel):
-    """Achieved FLOP rate as a fraction of the device's peak, and where that peak came from."""
+    """The roofs a record is compared with: the achieved FLOP rate as a fraction of the device's compute peak (and
+    where that peak came from), the achieved bytes/s as a fraction of its memory bandwidth (and where that came
+    from), and which roof binds (`bound`: the larger of bytes / bandwidth and flops / peak)."""
 
     model_config = _STRICT
-    fraction: float
-    peak_flops: float
-    source: PeakSource
+    fraction: float | None = None
+    peak_flops: float | None = None
+    source: PeakSource | None = None
     hardware: str | None = None
+    bandwidth: float | None = None  # bytes/s
+    bandwidth_source: str | None = None  # "calibrated all-thread read" or a GPU's datasheet memory bandwidth
+    bandwidth_fraction: float | None = None
+    bound: Literal["memory", "compute"] | None = None
 
 
 class SetupTimes(BaseModel):
@@ -248,6 +254,7 @@ class Record(BaseModel):
     comm: CommInfo | None = None
     error: ErrorInfo | None = None
     flops: float | None = None  # useful FLOPs per call
+    bytes: int | None = None  # the least bytes the call must move (bench.measure.flops.min_bytes)
     density: float | None = None
     block_density: float | None = None
     # Beyond the contract's minimum: provenance and derived figures.

@@ -21,6 +21,7 @@ from typing import ClassVar
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
 from impls.blocked.attention import blocked_attention
+from impls.blocked.decode import DECODE_ROWS, decode_attention, decode_unavailable, masks_plan, pattern_plan
 from impls.blocked.fused import FUSED_ROWS, fused_available
 from impls.blocked.kernel import (
     BlockTable,
@@ -47,6 +48,14 @@ class Blocked(Impl):
         hkv, n = k.shape[1], k.shape[2]
         group = h // hkv
         scale = softmax_scale(case.head_dim)
+        if nq <= DECODE_ROWS and case.mode == "fwd":  # decode: K/V read in place (impls/blocked/decode.py)
+            with setup_phase("compile"):
+                missing = decode_unavailable(q, case.mode)
+            if missing is None:
+                with setup_phase("mask"):
+                    plan = pattern_plan(pattern.dense_mask(), b * hkv, case.block_size)
+                self._extras = self._decode_extras(case, plan, pattern)
+                return lambda: decode_attention(plan, q, k, v, scale)[0]
         table: BlockTable | None = None  # inference through the CPU kernel (`kernel`): the pattern's block table
         kernel_missing: str | None = None  # why the kernel, wanted, cannot run
         if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
@@ -84,6 +93,58 @@ class Blocked(Impl):
 
         return call
 
+    def _decode_extras(self, case, plan, pattern) -> dict[str, object]:
+        listed = plan.listed_keys // max(1, plan.blocks.shape[0])
+        return {"path": "decode", "block_size": plan.block, "group_size": case.group_size,
+                "listed_keys_per_kv_head": listed, "computed_over_allowed": listed * case.n_queries / max(
+                    1, pattern.nnz / max(1, case.batch))}
+
+    def decode_ready(self, case) -> bool:
+        """Whether the decode path serves this case (a few rows, inference, CPU, float32 or bfloat16)."""
+        return (case.n_queries <= DECODE_ROWS and case.mode == "fwd" and case.device == "cpu"
+                and case.dtype in ("float32", "bfloat16") and case.head_dim % 16 == 0)
+
+    def unsupported_selection(self, case, q_unit, kv_unit, shared):
+        if self.decode_ready(case):  # the decode path reads any selection through its mask
+            return None
+        return super().unsupported_selection(case, q_unit, kv_unit, shared)
+
+    def paged_native(self, case) -> bool:
+        return self.decode_ready(case)
+
+    def prepare_paged(self, case, pattern, q, cache, patterns):
+        """Decode through the page table: the pages read in place, sequences of their own lengths."""
+        b = q.shape[0]
+        hkv = cache.k_pages.shape[1]
+        scale = softmax_scale(case.head_dim)
+        with setup_phase("compile"):
+            missing = decode_unavailable(q, case.mode)
+        if missing is not None:
+            from bench.errors import Unavailable
+
+            raise Unavailable(f"blocked reads a paged cache through its decode kernel only: {missing}")
+        with setup_phase("mask"):
+            masks = self._sequence_masks(patterns, hkv, case.seq_len)
+            plan = masks_plan(masks, cache.page_size) if masks is not None else \
+                pattern_plan(pattern.dense_mask(), b * hkv, cache.page_size)
+        self._extras = {**self._decode_extras(case, plan, pattern), "paged": True}
+
+        def call():
+            return decode_attention(plan, q, cache.k_pages, cache.v_pages, scale, cache.page_table,
+                                    cache.kv_lens)[0]
+
+        return call
+
+    @staticmethod
+    def _sequence_masks(patterns, hkv: int, n: int):
+        """(B * Hkv, q_len, N) masks of sequences with their own patterns, or None when they share one."""
+        if patterns is None:
+            return None
+        import torch
+
+        masks = [torch.nn.functional.pad(p.dense_mask(), (0, n - p.seq_len)) for p in patterns]
+        return torch.stack(masks).repeat_interleave(hkv, dim=0)
+
     def prepare_selected(self, case, pattern, q, k, v):
         """Attention over a selection of key blocks (impls/blocked/selected.py): the CPU kernel over per-task
         block tables in inference, the gathered torch steps elsewhere."""
@@ -92,6 +153,16 @@ class Blocked(Impl):
         group = h // hkv
         bs = case.block_size
         scale = softmax_scale(case.head_dim)
+        if self.decode_ready(case) and decode_unavailable(q, case.mode) is None:
+            with setup_phase("mask"):
+                base = pattern.dense_mask()  # (Nq, N)
+            self._extras = {"path": "decode_selected", "block_size": bs, "group_size": group}
+
+            def attend_decode(selection):
+                masks = selection.dense_mask(base, h, hkv).reshape(b * hkv, group * nq, n)  # rows gi * nq + t
+                return decode_attention(masks_plan(masks, bs), q, k, v, scale)
+
+            return attend_decode
         kernel_missing: str | None = "mode fwd_bwd: the kernel is inference only"
         if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
             with setup_phase("compile"):

@@ -45,7 +45,8 @@ _module: Any = None
 _unavailable: str | None = None
 
 
-def _build() -> Any:
+def build_extension(source: Path, stem: str) -> Any:
+    """Compile and load one of blocked's C++ sources with torch's extension builder (cached per digest and ISA)."""
     from torch.utils.cpp_extension import load
 
     try:  # the ninja package's binary, which an unactivated virtual environment does not have on PATH
@@ -62,8 +63,8 @@ def _build() -> Any:
     # It links libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime).
     # The source's digest in the name: two checkouts with different kernels (`bench ab` of two revisions) each
     # keep their own build instead of rebuilding over each other's in the shared extensions directory.
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-    return load(name=f"blocked_cpu_kernel_{isa.lower()}_{digest}", sources=[str(_SOURCE)],
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    return load(name=f"{stem}_{isa.lower()}_{digest}", sources=[str(source)],
                 extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -73,7 +74,7 @@ def kernel_module() -> Any:
     with _lock:
         if _module is None and _unavailable is None:
             try:
-                _module = _build()
+                _module = build_extension(_SOURCE, "blocked_cpu_kernel")
             except Exception as exc:  # no compiler, no ninja, a build error: the torch-op paths remain
                 _unavailable = f"the CPU kernel could not be built ({type(exc).__name__}: {str(exc)[-300:]})"
     return _module
