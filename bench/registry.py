@@ -169,6 +169,18 @@ class Impl:
                     f"units, not {kv_unit}s")
         return None
 
+    def paged_native(self, case: Case) -> bool:
+        """Whether this implementation reads a paged KV cache (a case with `page_size`) through its page table;
+        the others get the pages gathered back into contiguous K/V inside their timed call."""
+        return False
+
+    def prepare_paged(self, case: Case, pattern: Pattern, q: Tensor, cache: Any,
+                      patterns: list[Pattern] | None) -> Callable[[], Tensor]:
+        """Untimed setup of attention over a paged cache (bench.inputs.paged.PagedKV: k_pages, v_pages (P, Hkv,
+        page_size, D), page_table (B, max_pages), kv_lens (B,)); returns the timed call. `patterns`: one pattern
+        per sequence where sequences have their own lengths (kv_lens), else None (`pattern` for all)."""
+        raise NotImplementedError
+
     def tf32(self, case: Case) -> bool:
         """Whether float32 inputs go through TF32 matmuls (looser tolerance, docs/DESIGN.md)."""
         return False

@@ -24,12 +24,14 @@ class Dense(Impl):
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
-        # the (N, N) bool mask and the float32 (B, H, N, N) scores; low precision also holds the matmul's
-        # scores in the input dtype while converting; backward keeps a second float32 buffer (scaled scores)
+        # the (N, N) bool mask and the float32 (B, H, N, N) scores; low precision also holds float32 copies of
+        # q and k (the scores are computed in float32); backward keeps a second float32 buffer (scaled scores)
         low = case.element_bytes < 4
         buffers = case.score_bytes() * (2 if case.mode == "fwd_bwd" else 1)
         mask = case.score_bytes(1) if case.selector is not None else case.n_queries * case.seq_len  # bool
-        return mask + buffers + (case.score_bytes(case.element_bytes) if low else 0)
+        copies = 4 * case.head_dim * (case.batch * case.heads * case.n_queries + case.batch * case.n_kv_heads
+                                      * case.seq_len)
+        return mask + buffers + (copies if low else 0)
 
     def prepare(self, case, pattern, q, k, v):
         with setup_phase("mask"):
@@ -42,7 +44,8 @@ class Dense(Impl):
 
         def call():
             grouped = q.reshape(b, hkv, h // hkv * nq, d)  # (B, Hkv, G*Nq, D)
-            scores = (grouped @ k.transpose(-1, -2)).to(acc).view(b, h, nq, n)  # (B, H, Nq, N)
+            # scores in the accumulation dtype: bfloat16 scores round a logit of 30 by 0.1 (a weight by 10%)
+            scores = (grouped.to(acc) @ k.to(acc).transpose(-1, -2)).view(b, h, nq, n)  # (B, H, Nq, N)
             # inference: softmax in place, so only one score-sized buffer is alive
             probs = masked_softmax(scores * scale, mask) if needs_grad else masked_softmax_(scores.mul_(scale), mask)
             out = probs.to(v.dtype).view(b, hkv, -1, n) @ v  # (B, Hkv, G*Nq, D)
@@ -63,7 +66,7 @@ class Dense(Impl):
         def attend(selection):
             mask = selection.dense_mask(base, h, hkv)  # (B, H, Nq, N)
             grouped = q.reshape(b, hkv, h // hkv * nq, d)
-            scores = (grouped @ k.transpose(-1, -2)).to(acc).view(b, h, nq, n) * scale
+            scores = (grouped.to(acc) @ k.to(acc).transpose(-1, -2)).view(b, h, nq, n) * scale
             scores = scores.masked_fill(~mask, -math.inf)
             lse = torch.logsumexp(scores, dim=-1)  # (B, H, Nq); -inf on rows without a key
             probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))

@@ -50,7 +50,8 @@ class NaiveLoop(Impl):
 
         def row_scores(i: int) -> torch.Tensor:  # (B, H, |keys of row i|)
             row = q[:, :, i, :].reshape(b, hkv, h // hkv, d)  # (B, Hkv, G, D): the heads of each KV head
-            return (row @ k[:, :, keys[i], :].transpose(-2, -1)).reshape(b, h, -1).to(acc)
+            # scores in the accumulation dtype (bfloat16 scores would round large logits by a tenth)
+            return (row.to(acc) @ k[:, :, keys[i], :].to(acc).transpose(-2, -1)).reshape(b, h, -1)
 
         def call():
             if needs_grad:
@@ -87,7 +88,7 @@ class NaiveLoop(Impl):
             rows = []
             for i in range(nq):
                 row = q[:, :, i, :].reshape(b, hkv, h // hkv, d)  # (B, Hkv, G, D)
-                scores = (row @ k.transpose(-2, -1)).reshape(b, h, n).to(acc)
+                scores = (row.to(acc) @ k.to(acc).transpose(-2, -1)).reshape(b, h, n)
                 rows.append(scores.masked_fill(~mask[:, :, i], -math.inf))
             attn = torch.softmax(torch.stack(rows, dim=2) * scale, dim=-1).nan_to_num(0.0)
             out = attn.view(b, hkv, -1, n) @ v.to(acc)

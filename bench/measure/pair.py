@@ -38,6 +38,7 @@ from bench.measure.fidelity import fidelity
 from bench.measure.memory import measure_peak, track_allocations
 from bench.measure.memory_model import does_not_fit
 from bench.measure.nvml import device_monitor
+from bench.measure.paged import case_paged, check_sequences, paged_kv_rows, prepare_paged_call, sequence_patterns
 from bench.measure.selected import (
     SelectedSteps,
     case_selection,
@@ -173,11 +174,19 @@ class PairSession:
             if self.task.measure.attention_stats:
                 self.current = "attention statistics"
                 self.base["attention_stats"] = case_attention_stats(case, pattern, cache)
+            patterns = None  # sequences of their own lengths (a paged cache's kv_lens)
             if case.selector is not None:
                 self.current = "selection"
                 info, selection = case_selection(case, q, k, cache.oracle)
                 self.current = "prepare"
                 attend, prepared = prepare_selected_call(impl, case, pattern, q, k, v, selection, self._phase)
+            elif case.page_size is not None:
+                self.current = "paging"
+                paged = case_paged(case, cache.inputs, cache.oracle)
+                patterns = sequence_patterns(case, paged)
+                self.base["bytes"] = flop_counts.min_bytes(case, paged_kv_rows(case, pattern, patterns))
+                self.current = "prepare"
+                prepared = prepare_paged_call(impl, case, pattern, q, k, v, paged, patterns, self._phase)
             else:
                 self.current = "prepare"
                 prepared = prepare_call(impl, case, pattern, q, k, v, self._phase)
@@ -206,6 +215,9 @@ class PairSession:
                 self.error, self.problem = check_selected(case, impl, pattern, selection, q, k, v, result,
                                                           grad_out, full=self.task.measure.check,
                                                           oracle=cache.oracle)
+            elif patterns is not None:
+                self.error, self.problem = check_sequences(case, impl, patterns, q, k, v, out,
+                                                           full=self.task.measure.check)
             else:
                 self.error, self.problem = check_against_oracle(case, impl, pattern, q, k, v, out, grad_out,
                                                                 full=self.task.measure.check, oracle=cache.oracle)
@@ -344,7 +356,13 @@ def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:
     impl = registry.get(task.impl)
     pattern = case.make_pattern()
     q, k, v, grad_out = call_inputs(case)
-    if case.selector is not None:  # end to end: the selector, then the attention over what it chose
+    if case.page_size is not None:  # through the pool (or gathered from it inside the call)
+        made = make_inputs(case)
+        q, k, v = made.tensors
+        paged = case_paged(case, made, {})
+        prepared = prepare_paged_call(impl, case, pattern, q, k, v, paged, sequence_patterns(case, paged), no_phase)
+        step = prepared.fn
+    elif case.selector is not None:  # end to end: the selector, then the attention over what it chose
         info, selection = case_selection(case, q, k, {})
         attend, prepared = prepare_selected_call(impl, case, pattern, q, k, v, selection, no_phase)
         step = selected_steps(info, case, attend, selection, q, k, v, grad_out).end_to_end

@@ -27,10 +27,8 @@ from torch import Tensor
 from bench import registry
 from bench.measure.check import checked_rows, rows_only
 from bench.measure.reference import compare, reference_attention_lse, tolerance_for
-from bench.measure.steps import Phase, Prepared, sync_device
+from bench.measure.steps import Phase, Prepared, prepare_with
 from bench.patterns import Pattern
-from bench.registry import SetupClock
-from bench.results.records import SetupTimes
 from bench.selection import Selection, SelectorInfo, effective_mask, get_selector, run_selector
 from bench.spec.case import Case
 
@@ -55,23 +53,16 @@ def split_output(result: Any) -> tuple[Any, Tensor | None]:
 def prepare_selected_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
                           selection: Selection, phase: Phase) -> tuple[Callable[[Selection], Any], Prepared]:
     """(attend, the Prepared of attend over the fixed selection after its first call). Raises what they raise."""
-    import time
+    made: list[Callable[[Selection], Any]] = []
 
-    clock = SetupClock()
-    t0 = time.perf_counter()
-    with clock:
-        phase("prepare")
-        attend = impl.prepare_selected(case, pattern.fresh(), q, k, v)
-        phase("first call")
-        first_start = time.perf_counter()
-        marked_before = clock.marked_s()
-        out = attend(selection)
-        sync_device(case.device)
-        first_s = time.perf_counter() - first_start - (clock.marked_s() - marked_before)
-    setup = SetupTimes(mask_s=clock.total("mask"), compile_s=clock.total("compile"), first_call_s=first_s)
-    fixed = Prepared(lambda: split_output(attend(selection))[0], out, time.perf_counter() - t0, setup,
-                     impl.record_extras() or None)
-    return attend, fixed
+    def make() -> Callable[[], Any]:
+        made.append(impl.prepare_selected(case, pattern.fresh(), q, k, v))
+        return lambda: made[0](selection)
+
+    prepared = prepare_with(make, impl, case, phase)
+    attend = made[0]
+    return attend, Prepared(lambda: split_output(attend(selection))[0], prepared.first_output, prepared.setup_s,
+                            prepared.setup, prepared.config)
 
 
 def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection: Selection, q: Tensor, k: Tensor,

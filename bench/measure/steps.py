@@ -39,6 +39,8 @@ def skip_reason(impl: registry.Impl, case: Case) -> str | None:
     reason = impl.unavailable() or impl.unsupported(case)
     if reason is None and case.device == "cuda" and not torch.cuda.is_available():
         reason = "no CUDA device visible"
+    if reason is None and case.selector is not None and case.page_size is not None:
+        reason = "a selection over a paged cache is not built (selections read contiguous K/V)"
     if reason is None and case.selector is not None:
         info = get_selector(case.selector)
         reason = impl.unsupported_selection(case, info.q_unit, info.kv_unit, info.shared)
@@ -95,13 +97,23 @@ def prepare_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k
     The implementation gets a fresh copy of the pattern, so building its views counts as its own mask time
     (the harness's copy, shared by the case's implementations, has them cached). Raises what they raise.
     """
+
+    def make() -> Callable[[], Any]:
+        fn = impl.prepare(case, pattern.fresh(), q, k, v)
+        return checkpointed(fn) if case.checkpoint else fn
+
+    return prepare_with(make, impl, case, phase)
+
+
+def prepare_with(make: Callable[[], Callable[[], Any]], impl: registry.Impl, case: Case, phase: Phase = no_phase
+                 ) -> Prepared:
+    """The Prepared of the call `make()` returns (its untimed setup), after the call's first run: the setup
+    phases the implementation marks (`setup_phase`) timed apart. Raises what they raise."""
     clock = SetupClock()
     t0 = time.perf_counter()
     with clock:
         phase("prepare")
-        fn = impl.prepare(case, pattern.fresh(), q, k, v)
-        if case.checkpoint:
-            fn = checkpointed(fn)
+        fn = make()
         phase("first call")
         first_start = time.perf_counter()
         marked_before = clock.marked_s()

@@ -22,7 +22,8 @@ _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # cases of older suites keep their ids (and their history) across the addition.
 LATER_FIELDS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
                                 "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None,
-                                "inputs": "random", "selector": None, "budget": None, "threshold": None}
+                                "inputs": "random", "selector": None, "budget": None, "threshold": None,
+                                "page_size": None, "kv_lens": None}
 CP_LAYOUTS = ("contiguous", "zigzag")
 RANDOM_INPUTS = InputsSpec()  # frozen: one shared default
 
@@ -59,10 +60,15 @@ class Case:
     selector: str | None = None
     budget: int | float | None = None
     threshold: float | None = None
+    # decode caches (bench.inputs.paged): K/V in a pool of pages of page_size tokens with a page table per
+    # sequence, and the keys of each sequence (a list of B lengths, or `random`: drawn from the seed)
+    page_size: int | None = None
+    kv_lens: tuple[int, ...] | str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.documents, list):  # frozen and hashable: lengths as a tuple
-            object.__setattr__(self, "documents", tuple(self.documents))
+        for name in ("documents", "kv_lens"):  # frozen and hashable: lengths as a tuple
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if not isinstance(self.inputs, InputsSpec):
             object.__setattr__(self, "inputs", InputsSpec.parse(self.inputs))
 
@@ -73,8 +79,9 @@ class Case:
     def params(self) -> dict[str, Any]:
         """Every case field, in declaration order (the record's `params`); document lengths as a list."""
         out = asdict(self)
-        if isinstance(out["documents"], tuple):
-            out["documents"] = list(out["documents"])
+        for name in ("documents", "kv_lens"):
+            if isinstance(out[name], tuple):
+                out[name] = list(out[name])
         out["inputs"] = self.inputs.to_param()
         return out
 
@@ -156,6 +163,8 @@ class Case:
             parts.append(self.inputs.label())
         if self.selector is not None:
             parts.append(self.selection_label().replace(" ", "-"))
+        if self.page_size is not None:
+            parts.append(f"pg{self.page_size}" + ("-ragged" if self.kv_lens is not None else ""))
         parts.append(digest)
         return "-".join(parts)
 
@@ -172,6 +181,8 @@ class Case:
         kv = f"/{self.kv_heads}" if self.kv_heads is not None and self.kv_heads != self.heads else ""
         inputs = f" {self.inputs.label()}" if self.inputs.label() else ""
         selection = f" {self.selection_label()}" if self.selector is not None else ""
+        if self.page_size is not None:
+            selection += f" pages of {self.page_size}" + (" ragged" if self.kv_lens is not None else "")
         return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "
                 f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}{inputs}{selection}")
 

@@ -69,6 +69,9 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     # a count of key units per query unit, or a fraction of the units the base pattern allows
     "budget": _Pos | Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None,
     "threshold": Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None,
+    "page_size": _Pos | None,
+    # keys per sequence of a paged cache: B lengths, or `random` (drawn from the seed in [q_len, seq_len])
+    "kv_lens": Literal["random"] | Annotated[list[_Pos], Field(min_length=1)] | None,
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 
@@ -314,6 +317,33 @@ def _check_selection(case: Case, where: Any, bad: Any) -> None:
                       f"{case.seq_len}): allowed budget 1..{most}, or a fraction in (0, 1]", "budget")
 
 
+def _check_paging(case: Case, bad: Any) -> None:
+    """A paged KV cache: pages of a power-of-two size aligned with the blocks, for inference; lengths per
+    sequence that the batch and the queries allow."""
+    size = case.page_size
+    if size is None:
+        raise bad("got kv_lens with no page_size; sequences of their own lengths share a paged pool: set "
+                  "page_size (a power of two, e.g. 16 as vLLM and FlashInfer use)", "kv_lens")
+    if size & (size - 1):
+        allowed = [2**i for i in range(0, 13)]
+        raise bad(f"got {size}; a page holds a power of two of tokens: allowed {allowed}", "page_size")
+    if case.block_size % size and size % case.block_size:
+        raise bad(f"got {size} with block_size {case.block_size}; pages and blocks must align (one divides the "
+                  f"other): allowed page_size {[2**i for i in range(13) if case.block_size % 2**i == 0]} or a "
+                  f"multiple of {case.block_size}", "page_size")
+    if case.mode != "fwd":
+        raise bad(f"got page_size with mode {case.mode!r}; a paged KV cache is read in inference (decode): "
+                  "allowed mode fwd", "page_size")
+    if isinstance(case.kv_lens, tuple):
+        if len(case.kv_lens) != case.batch:
+            raise bad(f"got {len(case.kv_lens)} lengths for batch {case.batch}; kv_lens lists one length per "
+                      "sequence", "kv_lens")
+        for length in case.kv_lens:
+            if not case.n_queries <= length <= case.seq_len:
+                raise bad(f"got {length}; each length must be between q_len {case.n_queries} and seq_len "
+                          f"{case.seq_len} (a sequence's queries are its last q_len positions)", "kv_lens")
+
+
 def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
     """Constraints between fields of one case: pattern name, shapes, and what the pattern needs of its fields."""
     where = lambda name: origin.get(name, name)  # noqa: E731 - unset fields are named as themselves
@@ -343,6 +373,8 @@ def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
                   f"ranks must tile the ranks: allowed ulysses_degree {divisors} (or null)", "ulysses_degree")
     if case.selector is not None or case.budget is not None or case.threshold is not None:
         _check_selection(case, where, bad)
+    if case.page_size is not None or case.kv_lens is not None:
+        _check_paging(case, bad)
     if case.inputs.kind == "file":
         try:
             input_files.check_shapes(case.inputs, batch=case.batch, heads=case.heads, kv_heads=case.n_kv_heads,
