@@ -95,6 +95,10 @@ class Row:
     peak_flops: float | None = None
     peak_source: str | None = None
     peak_hardware: str | None = None
+    bytes_moved: int | None = None  # the least bytes the call must move
+    peak_bandwidth: float | None = None  # bytes/s: the memory roof
+    peak_bandwidth_source: str | None = None
+    peak_bound: str | None = None  # memory | compute: which roof binds
     attention_stats: dict[str, Any] | None = None  # bench.measure.attention_stats of the case's inputs
     selection: dict[str, Any] | None = None  # a selection case's selector, units and three times
     fidelity: dict[str, Any] | None = None  # a selection case's closeness to dense attention
@@ -199,6 +203,8 @@ def row_from_record(run: Run, record: Record) -> Row:
         flops=record.flops, flops_per_s=record.flops_per_s,
         peak_fraction=peak.fraction if peak else None, peak_flops=peak.peak_flops if peak else None,
         peak_source=peak.source if peak else None, peak_hardware=peak.hardware if peak else None,
+        bytes_moved=record.bytes, peak_bandwidth=peak.bandwidth if peak else None,
+        peak_bandwidth_source=peak.bandwidth_source if peak else None, peak_bound=peak.bound if peak else None,
         attention_stats=record.attention_stats.model_dump() if record.attention_stats else None,
         selection=record.selection.model_dump() if record.selection else None,
         fidelity=record.fidelity.model_dump() if record.fidelity else None,

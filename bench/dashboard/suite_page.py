@@ -17,6 +17,7 @@ from bench.dashboard.views_correctness import correctness_figure
 from bench.dashboard.views_history import HistorySeries, history_figure
 from bench.dashboard.views_inputs import inputs_figure
 from bench.dashboard.views_memory import memory_figure, peak_figure
+from bench.dashboard.views_roofline import decode_figure, roofline_figure
 from bench.dashboard.views_selection import selection_share_figure, time_recall_figure
 from bench.dashboard.views_time import speedup_figure, time_figure
 from bench.results.records import STATUSES
@@ -108,6 +109,8 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         ("balance", lambda: balance_figures(rows, colours)),
         ("breakeven", lambda: breakeven_figures(rows, colours)),
         ("peak", lambda: _one(peak_figure(rows, colours))),
+        ("roofline", lambda: _one(roofline_figure(rows, colours))),
+        ("decode", lambda: _one(decode_figure(rows, colours))),
         ("correctness", lambda: _one(correctness_figure(rows))),
         ("inputs", lambda: _one(inputs_figure(rows))),
         ("selection", lambda: _one(time_recall_figure(rows, colours))),

@@ -29,8 +29,17 @@ def describe(record: Record) -> str:
     """One line for a finished (case, impl)."""
     if record.status == "ok" and record.time_s:
         extra = " (interpreter)" if record.interpreter else ""
-        return f"ok {format_seconds(record.time_s.median)}{extra}"
+        return f"ok {format_seconds(record.time_s.median)}{roof(record)}{extra}"
     return f"{record.status}: {record.reason}"
+
+
+def roof(record: Record) -> str:
+    """`, 41% of the memory roof`: the achieved share of the binding roof (`peak.bound`), where it is known."""
+    peak = record.peak
+    if peak is None or peak.bound is None:
+        return ""
+    share = peak.bandwidth_fraction if peak.bound == "memory" else peak.fraction
+    return f", {share:.0%} of the {peak.bound} roof" if share is not None else ""
 
 
 class Reporter:
