@@ -21,7 +21,14 @@ from typing import ClassVar
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
 from impls.blocked.attention import blocked_attention
-from impls.blocked.decode import DECODE_ROWS, decode_attention, decode_unavailable, masks_plan, pattern_plan
+from impls.blocked.decode import (
+    DECODE_ROWS,
+    HEAD_DIM_MULTIPLE,
+    decode_attention,
+    decode_unavailable,
+    masks_plan,
+    pattern_plan,
+)
 from impls.blocked.fused import FUSED_ROWS, fused_available
 from impls.blocked.kernel import (
     BlockTable,
@@ -102,7 +109,7 @@ class Blocked(Impl):
     def decode_ready(self, case) -> bool:
         """Whether the decode path serves this case (a few rows, inference, CPU, float32 or bfloat16)."""
         return (case.n_queries <= DECODE_ROWS and case.mode == "fwd" and case.device == "cpu"
-                and case.dtype in ("float32", "bfloat16") and case.head_dim % 16 == 0)
+                and case.dtype in ("float32", "bfloat16") and case.head_dim % HEAD_DIM_MULTIPLE == 0)
 
     def unsupported_selection(self, case, q_unit, kv_unit, shared):
         if self.decode_ready(case):  # the decode path reads any selection through its mask

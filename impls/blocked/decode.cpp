@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -48,60 +49,108 @@ inline float hsum(const Vec& x) {
 #endif
 }
 
-// out[r] = sum_x q[r][x] * key[x] for R rows (q in floats, (R, D)), the key row read once. D is a multiple of
-// 2 * Vec::size() (16 elements at least: the kernel's head_dim multiple).
+// out[r] = sum_x q[r][x] * key[x] for NR rows (q in floats, (NR, D)), the key row read once. D is a multiple of
+// 2 * Vec::size(). The row count is a template argument so that the accumulators stay in registers.
+template <int NR, typename T>
+inline void dot_rows_n(const float* q, const T* key, int64_t d, float* out) {
+  constexpr int64_t W = Vec::size();
+  Vec acc[NR];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) acc[r] = Vec(0.f);
+  for (int64_t x = 0; x < d; x += 2 * W) {
+    Vec lo, hi;
+    load2(key + x, lo, hi);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      acc[r] = at::vec::fmadd(Vec::loadu(q + r * d + x), lo, acc[r]);
+      acc[r] = at::vec::fmadd(Vec::loadu(q + r * d + x + W), hi, acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
+
 template <typename T>
 inline void dot_rows(const float* q, int64_t rows, const T* key, int64_t d, float* out) {
-  constexpr int64_t W = Vec::size();
-  constexpr int64_t R0 = 8;  // rows per pass: 16 accumulators stay in registers
-  for (int64_t r0 = 0; r0 < rows; r0 += R0) {
-    const int64_t nr = std::min<int64_t>(R0, rows - r0);
-    Vec acc[R0];
-    for (int64_t r = 0; r < nr; ++r) acc[r] = Vec(0.f);
-    for (int64_t x = 0; x < d; x += 2 * W) {
-      Vec lo, hi;
-      load2(key + x, lo, hi);
-      for (int64_t r = 0; r < nr; ++r) {
-        const float* qr = q + (r0 + r) * d + x;
-        acc[r] = at::vec::fmadd(Vec::loadu(qr), lo, acc[r]);
-        acc[r] = at::vec::fmadd(Vec::loadu(qr + W), hi, acc[r]);
-      }
-    }
-    for (int64_t r = 0; r < nr; ++r) out[r0 + r] = hsum(acc[r]);
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) dot_rows_n<4>(q + r * d, key, d, out + r);
+  switch (rows - r) {
+    case 3: dot_rows_n<3>(q + r * d, key, d, out + r); break;
+    case 2: dot_rows_n<2>(q + r * d, key, d, out + r); break;
+    case 1: dot_rows_n<1>(q + r * d, key, d, out + r); break;
+    default: break;
   }
 }
 
-// o[r] += p[r] * value for R rows, the value row read once.
-template <typename T>
-inline void axpy_rows(const float* p, int64_t rows, const T* value, int64_t d, float* o) {
-  constexpr int64_t W = Vec::size();
-  for (int64_t x = 0; x < d; x += 2 * W) {
-    Vec lo, hi;
-    load2(value + x, lo, hi);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (p[r] == 0.f) continue;
-      const Vec pr(p[r]);
-      float* orow = o + r * d + x;
-      at::vec::fmadd(pr, lo, Vec::loadu(orow)).store(orow);
-      at::vec::fmadd(pr, hi, Vec::loadu(orow + W)).store(orow + W);
-    }
-  }
+constexpr int64_t PREFETCH_ROWS = 8;  // key rows ahead (2 KiB at D = 128 in bfloat16)
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 struct Partial {
   std::vector<float> o, m, l;  // (R, D), (R,), (R,)
 };
 
+// O[r] += sum_t P[r][t] V[t] for NR rows and NV vectors of the head dimension from x0, over `valid` value rows:
+// the NR x NV outputs stay in registers while the block's value rows stream by.
+template <int NR, int NV, typename T>
+inline void pv_tile(const float* p, int64_t ldp, const T* v, int64_t valid, int64_t d, int64_t x0, float* o) {
+  constexpr int64_t W = Vec::size();
+  Vec acc[NR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) acc[r][i] = Vec::loadu(o + r * d + x0 + i * W);
+  for (int64_t t = 0; t < valid; ++t) {
+    Vec vv[NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; i += 2) load2(v + t * d + x0 + i * W, vv[i], vv[i + 1]);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const Vec pr(p[r * ldp + t]);
+#pragma GCC unroll 4
+      for (int i = 0; i < NV; ++i) acc[r][i] = at::vec::fmadd(pr, vv[i], acc[r][i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) acc[r][i].store(o + r * d + x0 + i * W);
+}
+
+template <int NR, typename T>
+inline void pv_rows(const float* p, int64_t ldp, const T* v, int64_t valid, int64_t d, float* o) {
+  constexpr int64_t W = Vec::size();
+  int64_t x0 = 0;
+  for (; x0 + 4 * W <= d; x0 += 4 * W) pv_tile<NR, 4>(p, ldp, v, valid, d, x0, o);
+  if (x0 < d) pv_tile<NR, 2>(p, ldp, v, valid, d, x0, o);  // d is a multiple of 2W
+}
+
+// O[r] += sum_t P[r][t] V[t] over a block of `valid` value rows, rows four at a time.
+template <typename T>
+inline void pv_block(const float* p, int64_t ldp, int64_t rows, const T* v, int64_t valid, int64_t d, float* o) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pv_rows<4>(p + r * ldp, ldp, v, valid, d, o + r * d);
+  switch (rows - r) {
+    case 3: pv_rows<3>(p + r * ldp, ldp, v, valid, d, o + r * d); break;
+    case 2: pv_rows<2>(p + r * ldp, ldp, v, valid, d, o + r * d); break;
+    case 1: pv_rows<1>(p + r * ldp, ldp, v, valid, d, o + r * d); break;
+    default: break;
+  }
+}
+
 // One split of one (sequence, KV head): blocks [c_begin, c_end) of its list, into `part`. Per block: the R rows'
-// scores against its keys (each key row read once), a softmax step per row over the block (one rescale of the
-// running output where the row's max grows), then the value rows read once each, added to every row's output.
+// scores against its keys (each key row read once), then per row a vectorised softmax step over the block (one
+// rescale of the running output where the row's max grows), then the value rows streamed once through
+// `pv_block`.
 template <typename T>
 void attend_split(const float* qf, int64_t rows, int64_t d, const T* k, const T* v, const int32_t* blocks,
                   const bool* full, int64_t c_begin, int64_t c_end, int64_t bs, int64_t n_valid,
                   const int32_t* page_row, int64_t page_stride, int64_t head_offset, const bool* mask,
                   int64_t mask_rows, int64_t mask_n, float scale, Partial& part) {
-  std::vector<float> s(bs * rows), pcol(rows);  // s: (bs, R), key-major: one key's R scores side by side
-  std::vector<float> rmax(rows);
+  std::vector<float> s(rows * bs), dots(rows);  // s: (R, bs), a row's scores side by side
   for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t j = blocks[c];
     const int64_t first = j * bs;
@@ -110,40 +159,53 @@ void attend_split(const float* qf, int64_t rows, int64_t d, const T* k, const T*
     // where block j's rows lie: a page of the pool, or the contiguous cache
     const int64_t base = page_row != nullptr ? (static_cast<int64_t>(page_row[j]) * page_stride + head_offset)
                                              : (head_offset + first * d);
-    for (int64_t t = 0; t < valid; ++t) dot_rows(qf, rows, k + base + t * d, d, s.data() + t * rows);
-    std::fill(rmax.begin(), rmax.end(), NEG_INF);
+    // The loop is bound by memory: ask for the rows a few keys ahead (the hardware prefetcher alone left the
+    // loads waiting), and for the next block's first key rows while this one's values stream.
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
     for (int64_t t = 0; t < valid; ++t) {
-      float* st = s.data() + t * rows;
+      if (t + PREFETCH_ROWS < valid) prefetch_row(k + base + (t + PREFETCH_ROWS) * d, row_bytes);
+      prefetch_row(v + base + t * d, row_bytes);  // its value row, read after the block's scores
+      dot_rows(qf, rows, k + base + t * d, d, dots.data());
       for (int64_t r = 0; r < rows; ++r) {
-        float x = st[r] * scale;
-        if (!full[c] && !mask[(r % mask_rows) * mask_n + first + t]) x = NEG_INF;
-        st[r] = x;
-        rmax[r] = std::max(rmax[r], x);
+        const bool ok = full[c] || mask[(r % mask_rows) * mask_n + first + t];
+        s[r * bs + t] = ok ? dots[r] * scale : NEG_INF;
       }
     }
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
-      if (rmax[r] == NEG_INF) continue;
+      float* row = s.data() + r * bs;
+      float mx = NEG_INF;
+      for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, row[t]);
+      if (mx == NEG_INF) {  // nothing allowed in this block: P = 0
+        std::fill(row, row + valid, 0.f);
+        continue;
+      }
       any = true;
       float& m = part.m[r];
-      if (rmax[r] > m) {  // a new max: rescale what the row holds, once per block
-        const float alpha = m == NEG_INF ? 0.f : std::exp(m - rmax[r]);
+      if (mx > m) {  // a new max: rescale what the row holds, once per block
+        const float alpha = m == NEG_INF ? 0.f : std::exp(m - mx);
         float* o = part.o.data() + r * d;
-        for (int64_t x = 0; x < d; ++x) o[x] *= alpha;
+        const Vec a(alpha);
+        for (int64_t x = 0; x < d; x += Vec::size()) (Vec::loadu(o + x) * a).store(o + x);
         part.l[r] *= alpha;
-        m = rmax[r];
+        m = mx;
       }
-    }
-    if (!any) continue;
-    for (int64_t t = 0; t < valid; ++t) {
-      float* st = s.data() + t * rows;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float e = st[r] == NEG_INF ? 0.f : std::exp(st[r] - part.m[r]);
-        pcol[r] = e;
-        part.l[r] += e;
+      const Vec shift(m);
+      Vec sum(0.f);
+      int64_t t = 0;
+      for (; t + Vec::size() <= valid; t += Vec::size()) {
+        const Vec e = (Vec::loadu(row + t) - shift).exp_u20();  // exp(-inf) = 0: masked keys get no weight
+        sum = sum + e;
+        e.store(row + t);
       }
-      axpy_rows(pcol.data(), rows, v + base + t * d, d, part.o.data());
+      float tail = 0.f;
+      for (; t < valid; ++t) {
+        row[t] = row[t] == NEG_INF ? 0.f : std::exp(row[t] - m);
+        tail += row[t];
+      }
+      part.l[r] += hsum(sum) + tail;
     }
+    if (any) pv_block(s.data(), bs, rows, v + base, valid, d, part.o.data());
   }
 }
 

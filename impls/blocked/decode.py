@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from impls.blocked.kernel import KERNEL_DTYPES, SHAPE_MULTIPLE, build_extension
+from impls.blocked.kernel import KERNEL_DTYPES, build_extension
 
 DECODE_ROWS = 16  # q_len the decode path takes (a few queries: decode, speculative decoding)
+HEAD_DIM_MULTIPLE = 32  # the loops read two float vectors of the head dimension at a time (2 x 16 on AVX512)
 _SOURCE = Path(__file__).with_name("decode.cpp")
 _lock = threading.Lock()
 _module: Any = None
@@ -47,8 +48,8 @@ def decode_unavailable(q: Tensor, mode: str) -> str | None:
         return f"{q.dtype} on {q.device.type} (the decode kernel takes float32 and bfloat16 on CPU)"
     if q.shape[2] > DECODE_ROWS:
         return f"q_len {q.shape[2]} > {DECODE_ROWS}"
-    if q.shape[-1] % SHAPE_MULTIPLE:
-        return f"head_dim {q.shape[-1]} is not a multiple of {SHAPE_MULTIPLE}"
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:
+        return f"head_dim {q.shape[-1]} is not a multiple of {HEAD_DIM_MULTIPLE} (two vectors of the loop)"
     if decode_module() is None:
         return _unavailable
     return None
