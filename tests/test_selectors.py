@@ -428,12 +428,8 @@ def test_registration_says_units_and_sharing(name: str) -> None:
 def test_quest_reads_the_case_page_size() -> None:
     """A case with page_size (decode and paged caches) sets Quest's page; without one it is 16."""
 
-    @dataclass(frozen=True)
-    class Paged(Case):
-        page_size: int | None = None
-
     base = make_case("causal_gqa_ragged", "quest", budget=2)
-    paged = Paged(**{name: getattr(base, name) for name in Case.field_names()}, page_size=8)
+    paged = replace(base, page_size=8)
     q, k = inputs(base, "random")
     assert select(q, k, base).kv_unit == 16
     selection = run_selector(get_selector("quest"), q, k, paged)
