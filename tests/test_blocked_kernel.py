@@ -97,6 +97,30 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch):
     assert reason is not None and "could not be built" in reason and "c++ not found" in reason
 
 
+def test_a_dead_builders_lock_does_not_stop_the_next_build(tmp_path, monkeypatch):
+    """torch's build lock outlives a builder killed mid-build; the next build removes it instead of waiting."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    source = tmp_path / "tiny.cpp"
+    source.write_text("// a source\n")
+    seen: dict = {}
+
+    def fake_load(name, sources, build_directory, **_):
+        seen["lock_left"] = (tmp_path / name / "lock").exists()
+        seen["directory"] = build_directory
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    digest = __import__("hashlib").sha256(source.read_bytes()).hexdigest()[:10]
+    stale = tmp_path / f"tiny_{isa}_{digest}" / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")  # what a killed build leaves
+    assert kernel.build_extension(source, "tiny") == "module"
+    assert seen == {"lock_left": False, "directory": str(stale.parent)}
+
+
 @pytest.mark.parametrize("head_dim, block_size, dtype, words", [
     (24, 64, torch.float32, "multiples of 16"),
     (64, 24, torch.bfloat16, "multiples of 16"),

@@ -17,6 +17,7 @@ Where it cannot be built, the CPU has no fast bfloat16 products, or the case is 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import threading
@@ -47,7 +48,7 @@ _unavailable: str | None = None
 
 def build_extension(source: Path, stem: str) -> Any:
     """Compile and load one of blocked's C++ sources with torch's extension builder (cached per digest and ISA)."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     try:  # the ninja package's binary, which an unactivated virtual environment does not have on PATH
         import ninja
@@ -59,13 +60,26 @@ def build_extension(source: Path, stem: str) -> Any:
 
     isa = torch.backends.cpu.get_cpu_capability()
     flags = _ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
-    # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it the kernel ran on one thread.
-    # It links libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime).
     # The source's digest in the name: two checkouts with different kernels (`bench ab` of two revisions) each
     # keep their own build instead of rebuilding over each other's in the shared extensions directory.
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
-    return load(name=f"{stem}_{isa.lower()}_{digest}", sources=[str(source)],
-                extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+    name = f"{stem}_{isa.lower()}_{digest}"
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's own build lock is a file that outlives a process killed mid-build (a pair's timeout, a test that
+    # kills its worker), and every later build then waits on it forever. An flock dies with its holder: whoever
+    # holds ours is the only builder, so a torch lock file found then is a dead builder's and is removed.
+    with open(build_dir.parent / f"{name}.flock", "w") as baton:
+        fcntl.flock(baton, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it the kernel ran on one
+        # thread. It links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
+        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                    extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _build() -> Any:
+    return build_extension(_SOURCE, "blocked_cpu_kernel")
 
 
 def kernel_module() -> Any:
@@ -74,7 +88,7 @@ def kernel_module() -> Any:
     with _lock:
         if _module is None and _unavailable is None:
             try:
-                _module = build_extension(_SOURCE, "blocked_cpu_kernel")
+                _module = _build()
             except Exception as exc:  # no compiler, no ninja, a build error: the torch-op paths remain
                 _unavailable = f"the CPU kernel could not be built ({type(exc).__name__}: {str(exc)[-300:]})"
     return _module
