@@ -114,8 +114,8 @@ def test_list_hardware(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize(("suite_name", "card", "largest_fit", "smallest_skip"), [
-    ("rtx4090", "rtx4090", 8192, 16384), ("a100", "a100_40gb", 16384, 32768), ("a100", "a100_80gb", 16384, 32768),
-    ("h100", "h100_sxm", 16384, 32768), ("h100", "h200", 32768, 65536)])
+    ("rtx4090", "rtx4090", 16384, 32768), ("a100", "a100_40gb", 16384, 32768), ("a100", "a100_80gb", 32768, 65536),
+    ("h100", "h100_sxm", 32768, 65536), ("h100", "h200", 32768, 65536)])
 def test_gpu_suites_reach_each_cards_dense_limit(suite_name, card, largest_fit, smallest_skip):
     from bench import registry
     from bench.measure.memory_model import does_not_fit
