@@ -115,6 +115,13 @@ class Impl:
         """Why this implementation cannot run on this machine at all (no GPU, no triton, ...), or None."""
         return None
 
+    def build_ahead(self, devices: set[str]) -> None:
+        """Compile what this implementation would build on first use (a C++ extension), for cases on `devices`.
+
+        The runner calls it once before the first pair: a build of a minute or more would otherwise count
+        against that pair's timeout, and on a busy machine fail it. A failed build is not raised here; the pairs
+        report it as they would have. Default: nothing to build."""
+
     def unsupported(self, case: Case) -> str | None:
         """Why this implementation cannot run this case, or None. Subclasses extend, calling super()."""
         device = case.device

@@ -163,3 +163,31 @@ def test_resume_refuses_another_suite(tmp_path):
     proc = run_bench("run", str(other), "--out", str(results), "--resume", str(only_run_dir(results)))
     assert proc.returncode == 2
     assert "--resume" in proc.stderr and "same suite file" in proc.stderr
+
+
+def test_extensions_are_built_before_the_first_pair_for_the_devices_of_its_pairs(monkeypatch):
+    """A build inside a pair counts against that pair's timeout (blocked's C++ kernels take a minute or more
+    on a busy 2-core machine): the runner asks each implementation to build first, for its pairs' devices."""
+    import torch
+    from rich.console import Console
+
+    from bench import registry
+    from bench.api import case_for
+    from bench.patterns import make_pattern
+    from bench.run import runner
+
+    asked: dict[str, set[str]] = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def build_ahead(self, devices):
+            asked[self.name] = devices
+
+    monkeypatch.setattr(registry, "get", lambda name: Recorder(name))
+    q = torch.zeros(1, 2, 64, 32)
+    case = case_for(q, make_pattern("causal", 64), "fwd", q)
+    todo = [runner.Pair(case, "blocked"), runner.Pair(case, "blocked")]
+    runner._build_ahead(["blocked", "dense"], todo, None, Console(quiet=True))
+    assert asked == {"blocked": {"cpu"}}  # dense has no pair left to run: nothing asked of it

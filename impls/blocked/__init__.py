@@ -25,6 +25,7 @@ from impls.blocked.decode import (
     DECODE_ROWS,
     HEAD_DIM_MULTIPLE,
     decode_attention,
+    decode_module,
     decode_unavailable,
     masks_plan,
     pattern_plan,
@@ -35,6 +36,7 @@ from impls.blocked.kernel import (
     block_table,
     kernel_attention,
     kernel_attention_tables,
+    kernel_module,
     kernel_wanted,
     unavailable_reason,
 )
@@ -49,6 +51,11 @@ class Blocked(Impl):
     description = "dense matmuls over the block layout: sliding windows for bands, gathered blocks otherwise"
     fwd_bwd = True
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("block",)}
+
+    def build_ahead(self, devices):
+        if "cpu" in devices:  # both C++ kernels; each is cached per machine and loads in a second once built
+            kernel_module()
+            decode_module()
 
     def prepare(self, case, pattern, q, k, v):
         b, h, nq, d = q.shape
