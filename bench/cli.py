@@ -18,9 +18,15 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from bench.run.runner import RunOptions, run
+    from bench.run.shards import parse_shard
 
+    shard = parse_shard(args.shard) if args.shard is not None else None
+    if args.run_id is not None and shard is None:
+        raise BadInput(f"got {args.run_id!r} without --shard; --run-id names the run that shards share",
+                       field="--run-id")
     options = RunOptions(suite=Path(args.suite), impls=args.impl or [], device=args.device, out=Path(args.out),
-                         resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run)
+                         resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run, shard=shard,
+                         run_id=args.run_id)
     return run(options, make_console())
 
 
@@ -177,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
     p.add_argument("--resume", metavar="RUN_DIR", help="measure only the pairs missing from this run")
     p.add_argument("--dry-run", action="store_true", help="print the cases and implementations, run nothing")
+    p.add_argument("--shard", metavar="I/N", help="measure only part I of N of the pairs (0 <= I < N), into "
+                   "records.<I>of<N>.jsonl of the run the shards share (docs/cluster.md)")
+    p.add_argument("--run-id", metavar="ID", help="with --shard: the run the shards write (default: derived from "
+                   "the commit, so shards of one commit join one run)")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("list", help="implementations, patterns, selectors or hardware, with availability")
