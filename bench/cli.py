@@ -30,6 +30,39 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run(options, make_console())
 
 
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from bench.run.submit import SubmitOptions, submit
+
+    if (args.suite is None) == (args.attach is None):
+        raise BadInput("give SUITE.yaml to submit a run, or --attach RUN_DIR to watch one (not both)", field="SUITE")
+    options = SubmitOptions(suite=Path(args.suite) if args.suite else None, executor=args.executor,
+                            shards=args.shards, partition=args.partition, gpus_per_shard=args.gpus_per_shard,
+                            time_limit=args.time, nodes_per_rank_group=args.nodes_per_rank_group, out=Path(args.out),
+                            no_wait=args.no_wait, attach=Path(args.attach) if args.attach else None,
+                            impls=args.impl or [])
+    return submit(options, make_console())
+
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="run a suite as N shards on Slurm or as local processes, and watch them",
+                       description="Every shard is `bench run SUITE --shard I/N` writing its part of one run; a "
+                                   "shard that dies is submitted again for its missing pairs (docs/cluster.md).")
+    p.add_argument("suite", nargs="?", metavar="SUITE.yaml")
+    p.add_argument("--executor", default="local", help="slurm (a job array via sbatch) or local (processes "
+                   "here; default)")
+    p.add_argument("--shards", type=int, default=2, metavar="N", help="number of shards (default 2)")
+    p.add_argument("--partition", metavar="P", help="Slurm partition")
+    p.add_argument("--gpus-per-shard", type=int, default=0, metavar="G", help="GPUs per Slurm shard (default 0)")
+    p.add_argument("--time", metavar="T", help="Slurm time limit per shard (e.g. 01:00:00)")
+    p.add_argument("--nodes-per-rank-group", type=int, default=1, metavar="K",
+                   help="nodes a multi-rank pair spans (only 1 here: see docs/cluster.md)")
+    p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation (repeatable)")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
+    p.add_argument("--no-wait", action="store_true", help="return once the shards are submitted")
+    p.add_argument("--attach", metavar="RUN_DIR", help="watch (and finish) a submitted run")
+    p.set_defaults(func=_cmd_submit)
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from bench.listing import list_command
     from bench.plugins import load_plugin
@@ -290,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_profile)
     _add_inputs(sub)
     _add_capture(sub)
+    _add_submit(sub)
     return parser
 
 

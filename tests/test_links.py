@@ -14,8 +14,6 @@ from datetime import timedelta
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 import impls  # noqa: F401
 from bench import registry
 from bench.comm import Communicator, link_bytes, use

@@ -1,0 +1,127 @@
+"""Shards of one run (`bench run --shard I/N`) and `bench submit --executor local`: the split, the parts, locks,
+a shard killed mid-run and resubmitted for its missing pairs only, and bad input (exit 2, nothing lost)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.cli import main
+from bench.errors import BadInput
+from bench.results.store import read_run_records
+from bench.run.shards import PartLock, ShardSpec, parse_shard, split
+from bench.spec.suite import load_suite
+from tests.conftest import ROOT, bench_cmd, read_jsonl, write_suite
+
+SUITE = {"name": "shardy", "impls": ["dense", "sdpa"],
+         "defaults": {"heads": 2, "head_dim": 16, "seq_len": 64, "device": "cpu"},
+         "sweep": {"pattern": ["local", "causal", "dense"], "mode": ["fwd", "fwd_bwd"]},
+         "measure": {"warmup": 0, "repeat": 3, "max_time_s": 0.02, "timeout_s": 60, "memory": "worker"}}
+RUN_ID = "20260101T000000-abc1234-shardy"
+
+
+def pairs_of(suite_path: Path) -> set[tuple[str, str]]:
+    suite = load_suite(suite_path)
+    return {(c.case_id, i) for c in suite.cases for i in suite.impls}
+
+
+def test_the_split_is_deterministic_complete_and_keeps_rank_groups_whole():
+    weights = [1, 1, 4, 1, 2, 1, 1, 4, 1]
+    parts = split(weights, 3)
+    assert parts == split(weights, 3)
+    assert sorted(i for p in parts for i in p) == list(range(len(weights)))  # each pair in exactly one part
+    loads = [sum(weights[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(weights)
+    assert split(weights, 1) == [list(range(len(weights)))]
+    assert split([1, 1], 4)[2:] == [[], []]  # more shards than pairs: empty parts
+
+
+@pytest.mark.parametrize("text", ["3/2", "2/2", "-1/2", "1/0", "a/b", "1"])
+def test_bad_shards_are_refused(text):
+    with pytest.raises(BadInput, match="0 <= I < N"):
+        parse_shard(text)
+
+
+def test_bad_input_exits_2_with_a_message(tmp_path, capsys, monkeypatch):
+    suite = write_suite(tmp_path, SUITE)
+    out = str(tmp_path / "results")
+    cases = [
+        (["run", str(suite), "--shard", "3/2", "--out", out], "--shard: got '3/2'"),
+        (["run", str(suite), "--shard", "0/2", "--run-id", "nope", "--out", out], "--run-id: got 'nope'"),
+        (["run", str(suite), "--run-id", RUN_ID, "--out", out], "without --shard"),
+        (["submit", str(suite), "--executor", "pbs", "--out", out], "executors: local, slurm"),
+        (["submit", "--attach", str(tmp_path)], "no submit.json"),
+    ]
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch
+    cases.append((["submit", str(suite), "--executor", "slurm", "--out", out], "no sbatch"))
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (args, err)
+    assert not (tmp_path / "results").exists()
+
+
+def test_another_suite_or_a_second_process_of_a_shard_is_refused_and_nothing_is_lost(tmp_path, capsys):
+    suite = write_suite(tmp_path, {**SUITE, "sweep": {"pattern": ["local"], "mode": ["fwd"]}})
+    out = tmp_path / "results"
+    assert main(["run", str(suite), "--shard", "0/2", "--run-id", RUN_ID, "--out", str(out)]) == 0
+    run_dir = out / RUN_ID
+    part = run_dir / "records.0of2.jsonl"
+    before = part.read_bytes()
+    assert len(read_jsonl(part)) == 1
+    other = write_suite(tmp_path, {**SUITE, "sweep": {"pattern": ["causal"], "mode": ["fwd"]}}, "other.yaml")
+    capsys.readouterr()
+    assert main(["run", str(other), "--shard", "0/2", "--run-id", RUN_ID, "--out", str(out)]) == 2
+    assert "other content" in capsys.readouterr().err
+    lock = PartLock(run_dir, ShardSpec(1, 2))  # another process writes shard 1
+    try:
+        assert main(["run", str(suite), "--shard", "1/2", "--run-id", RUN_ID, "--out", str(out)]) == 2
+        assert f"being written by pid {os.getpid()}" in capsys.readouterr().err
+    finally:
+        lock.release()
+    assert part.read_bytes() == before and not (run_dir / "records.1of2.jsonl").exists()
+    # The same shard again: nothing left to measure, nothing appended.
+    assert main(["run", str(suite), "--shard", "0/2", "--run-id", RUN_ID, "--out", str(out)]) == 0
+    assert part.read_bytes() == before
+
+
+def test_local_shards_concurrently_one_killed_and_resubmitted_lose_and_duplicate_nothing(tmp_path):
+    suite = write_suite(tmp_path, {**SUITE, "measure": {**SUITE["measure"], "repeat": 20, "max_time_s": 0.3}})
+    out = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    submit = subprocess.Popen(bench_cmd("submit", str(suite), "--shards", "2", "--out", str(out)), cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        run_dir = victim = None
+        while time.monotonic() < deadline and victim is None:  # shard 1 as soon as it has written a record
+            runs = list(out.glob("*-shardy")) if out.exists() else []
+            part = runs[0] / "records.1of2.jsonl" if runs else None
+            if part is not None and part.exists() and read_jsonl(part) and (runs[0] / "submit.json").exists():
+                run_dir = runs[0]
+                victim = json.loads((run_dir / "submit.json").read_text())["jobs"]["1"][0]["id"]
+            time.sleep(0.2)
+        assert victim is not None and run_dir is not None, "shard 1 wrote nothing"
+        killed_at = len(read_jsonl(run_dir / "records.1of2.jsonl"))
+        os.killpg(int(victim), signal.SIGKILL)
+        output, _ = submit.communicate(timeout=300)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert submit.returncode == 0, output
+    assert "submitting it again (2 of 3)" in output and "shards: 0 pending, 0 running, 2 done, 0 failed" in output
+    merged = read_run_records(run_dir)
+    keys = [(r.case_id, r.impl) for r in merged.records]
+    assert sorted(keys) == sorted(pairs_of(suite)) and not merged.warnings  # every pair once
+    assert all(r.status == "ok" and r.error is not None and r.error.rel_l2 <= r.error.tolerance
+               for r in merged.records)
+    assert len(read_jsonl(run_dir / "records.1of2.jsonl")) >= killed_at  # nothing written was lost
+    plan = json.loads((run_dir / "submit.json").read_text())
+    assert len(plan["jobs"]["1"]) == 2 and len(plan["jobs"]["0"]) == 1
+    assert json.loads((run_dir / "run.json").read_text())["finished_at"] is not None
