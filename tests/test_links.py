@@ -110,3 +110,37 @@ def test_records_carry_topology_and_both_splits():
                                "node_names": ["h#0", "h#1"]}
     assert got["by_link"] == got["expected_bytes_by_link"] == {"intra_node": 20, "inter_node": 20}
     assert topology_of(["b", "a", "b"])["node_of_rank"] == [0, 1, 0]
+
+
+def test_the_dashboard_draws_inter_node_bytes_against_world_size_and_placement(tmp_path):
+    import plotly.graph_objects as go
+
+    from bench.dashboard.data import rows_from_runs
+    from bench.dashboard.figures import Colours
+    from bench.dashboard.views_links import links_figure
+    from bench.results.store import load_run
+    from tests.synthetic import commit_id, params, record, write_run
+
+    def rec(world: int, per_node: int, inter: int, expected_inter: int):
+        nodes = [r // per_node for r in range(world)]
+        comm = {"backend": "gloo", "bytes_total": 1000, "bytes_max_rank": 300, "by_op": {}, "world_size": world,
+                "topology": {"nodes": world // per_node, "ranks_per_node": [per_node] * (world // per_node),
+                             "node_of_rank": nodes},
+                "by_link": {"intra_node": 1000 - inter, "inter_node": inter},
+                "expected_bytes_by_link": {"intra_node": 1000 - expected_inter, "inter_node": expected_inter}}
+        return record(f"local-p{world}-{per_node}", "cp_ring", [1e-3] * 3,
+                      params=params(world_size=world, heads=4), comm=comm)
+
+    records = [rec(4, 2, 500, 500), rec(8, 2, 400, 400), rec(8, 4, 250, 250), rec(4, 4, 0, 0)]
+    rows = rows_from_runs([load_run(write_run(tmp_path, commit=commit_id(1), records=records, suite="multi"))])
+    fig = links_figure(rows, Colours([]))
+    assert fig is not None and not fig.notes
+    go.Figure(fig.plotly)
+    measured = {t["name"]: (t["x"], t["y"]) for t in fig.plotly["data"] if not t["name"].endswith("closed form")}
+    assert measured == {"cp_ring (2 nodes x 2)": ([4], [500]), "cp_ring (4 nodes x 2)": ([8], [400]),
+                        "cp_ring (2 nodes x 4)": ([8], [250]), "cp_ring (1 node x 4)": ([4], [0])}
+    one_node = [r for r in rows if len(r.comm_ranks_per_node) == 1]
+    assert links_figure(one_node, Colours([])) is None  # nothing crosses a node: no view
+    off = rows_from_runs([load_run(write_run(tmp_path / "off", commit=commit_id(2), records=[rec(4, 2, 500, 400)],
+                                             suite="multi"))])
+    assert links_figure(off, Colours([])).notes == ["1 record(s) differ from the closed form's split"]
