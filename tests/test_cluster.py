@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,9 +177,12 @@ def test_a_rank_group_over_two_torchrun_nodes_counts_bytes_per_link(tmp_path):
     assert all(p.returncode == 0 for p in launchers), "\n".join(o[-2000:] for o in outputs)
     records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
     assert {r["impl"] for r in records} == set(RANK_SUITE["impls"])
+    golden = json.loads((Path(__file__).parent / "golden" / "record_schema.json").read_text())
     for r in records:
         assert r["status"] == "ok", r
         comm = r["comm"]
+        assert sorted(comm) == golden["record:comm"] and sorted(comm["topology"]) == golden["record:comm.topology"]
+        assert sorted(comm["by_link"]) == sorted(comm["expected_bytes_by_link"]) == golden["record:comm.by_link"]
         assert comm["topology"]["nodes"] == 2 and comm["topology"]["ranks_per_node"] == [2, 2]
         assert comm["topology"]["node_of_rank"] == [0, 0, 1, 1]
         assert comm["by_link"] == comm["expected_bytes_by_link"], r["impl"]
