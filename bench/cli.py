@@ -26,7 +26,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        field="--run-id")
     options = RunOptions(suite=Path(args.suite), impls=args.impl or [], device=args.device, out=Path(args.out),
                          resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run, shard=shard,
-                         run_id=args.run_id)
+                         run_id=args.run_id, rank_group_shards=args.rank_group_shards)
     return run(options, make_console())
 
 
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "records.<I>of<N>.jsonl of the run the shards share (docs/cluster.md)")
     p.add_argument("--run-id", metavar="ID", help="with --shard: the run the shards write (default: derived from "
                    "the commit, so shards of one commit join one run)")
+    p.add_argument("--rank-group-shards", action="store_true", help="with --shard: shards 0..G-1 are the G world "
+                   "sizes above 1, each whole (launched across nodes), the others split the single-rank pairs")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("list", help="implementations, patterns, selectors or hardware, with availability")

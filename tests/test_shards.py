@@ -125,3 +125,24 @@ def test_local_shards_concurrently_one_killed_and_resubmitted_lose_and_duplicate
     plan = json.loads((run_dir / "submit.json").read_text())
     assert len(plan["jobs"]["1"]) == 2 and len(plan["jobs"]["0"]) == 1
     assert json.loads((run_dir / "run.json").read_text())["finished_at"] is not None
+
+
+def test_rank_groups_as_shards_of_their_own():
+    from bench.run.shards import split_rank_groups
+
+    sizes = [1, 2, 1, 4, 1, 2, 4, 1]
+    parts = split_rank_groups(sizes, 4)
+    assert parts[:2] == [[1, 5], [3, 6]]  # P=2, then P=4, each whole
+    assert sorted(parts[2] + parts[3]) == [0, 2, 4, 7]
+    with pytest.raises(BadInput, match="need at least one more"):
+        split_rank_groups(sizes, 2)
+
+
+def test_slurm_task_variables_become_the_launchers():
+    from bench.run.slurm_rank import launcher_env
+
+    env = launcher_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+                        "SLURM_JOB_NUM_NODES": "4", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"})
+    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2"}
+    with pytest.raises(SystemExit, match="SLURM_PROCID"):
+        launcher_env({})

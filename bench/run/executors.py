@@ -39,9 +39,11 @@ def make(name: str, partition: str | None = None, gpus: int = 0, time_limit: str
     raise BadInput(f"got {name!r}; executors: {', '.join(NAMES)}", field="--executor")
 
 
-def shard_command(shard_arg: str, plan: dict) -> list[str]:
-    command = [sys.executable, "-m", "bench", "run", plan["suite_file"], "--shard", shard_arg, "--run-id",
+def shard_command(shard_arg: str, plan: dict, module: str = "bench") -> list[str]:
+    command = [sys.executable, "-m", module, "run", plan["suite_file"], "--shard", shard_arg, "--run-id",
                plan["run_id"], "--out", plan["out"]]
+    if plan.get("rank_groups"):
+        command.append("--rank-group-shards")
     for impl in plan.get("impls") or []:
         command += ["--impl", impl]
     return command
@@ -111,20 +113,55 @@ class SlurmExecutor:
         path.write_text("\n".join(lines), encoding="utf-8")
         return path
 
+    def rank_group_script(self, shard: ShardSpec, world_size: int, plan: dict, run_dir: Path) -> Path:
+        """The batch script of one rank group: P tasks over K nodes (P/K per node), started by srun; task 0's
+        node is the rendezvous (torch.distributed's env:// with Slurm's variables, bench.run.slurm_rank)."""
+        nodes = int(plan["nodes_per_rank_group"])
+        lines = ["#!/bin/bash", f"#SBATCH --job-name=bench-{Path(plan['suite_file']).stem}-p{world_size}",
+                 f"#SBATCH --output={run_dir}/shard{shard.index}of{shard.count}.%j.log", f"#SBATCH --nodes={nodes}",
+                 f"#SBATCH --ntasks={world_size}", f"#SBATCH --ntasks-per-node={world_size // nodes}"]
+        if self.partition:
+            lines.append(f"#SBATCH --partition={self.partition}")
+        if self.gpus:
+            lines.append("#SBATCH --gpus-per-task=1")  # one GPU per rank
+        if self.time_limit:
+            lines.append(f"#SBATCH --time={self.time_limit}")
+        command = " ".join(_quote(a) for a in shard_command(shard.label, plan, module="bench.run.slurm_rank"))
+        lines += [f"cd {_quote(str(PROJECT_ROOT))}",
+                  'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                  "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+                  f"exec srun --kill-on-bad-exit=1 {command}", ""]
+        path = run_dir / f"rank_group_p{world_size}.sbatch"
+        path.write_text("\n".join(lines), encoding="utf-8")
+        return path
+
+    def _rank_group(self, shard: ShardSpec, plan: dict, run_dir: Path) -> dict[str, Any]:
+        world_size = int(plan["rank_groups"][shard.index])
+        script = self.rank_group_script(shard, world_size, plan, run_dir)
+        return {"id": self._run_sbatch([str(script)], script), "started_at": utc_now()}
+
     def _sbatch(self, array: str, plan: dict, run_dir: Path) -> str:
         script = self.script(plan, run_dir)
-        proc = subprocess.run(["sbatch", "--parsable", f"--array={array}", str(script)], capture_output=True,
-                              text=True, timeout=60)
+        return self._run_sbatch([f"--array={array}", str(script)], script)
+
+    def _run_sbatch(self, args: list[str], script: Path) -> str:
+        proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
             raise BadInput(f"sbatch refused the shards: {proc.stderr.strip() or proc.stdout.strip()}",
                            file=str(script), field="--executor")
-        return proc.stdout.strip().split(";")[0]
+        return proc.stdout.strip().split(";")[0]  # "jobid" or "jobid;cluster"
 
     def start_all(self, count: int, plan: dict, run_dir: Path) -> list[dict[str, Any]]:
-        job = self._sbatch(f"0-{count - 1}", plan, run_dir)
-        return [{"id": f"{job}_{i}", "started_at": utc_now()} for i in range(count)]
+        groups = len(plan.get("rank_groups") or [])  # shards 0..G-1: rank groups, each a job of its own
+        jobs = [self._rank_group(ShardSpec(g, count), plan, run_dir) for g in range(groups)]
+        if count > groups:
+            job = self._sbatch(f"{groups}-{count - 1}", plan, run_dir)
+            jobs += [{"id": f"{job}_{i}", "started_at": utc_now()} for i in range(groups, count)]
+        return jobs
 
     def start(self, shard: ShardSpec, plan: dict, run_dir: Path) -> dict[str, Any]:
+        if shard.index < len(plan.get("rank_groups") or []):
+            return self._rank_group(shard, plan, run_dir)
         job = self._sbatch(str(shard.index), plan, run_dir)
         return {"id": f"{job}_{shard.index}", "started_at": utc_now()}
 

@@ -54,6 +54,7 @@ class RunOptions:
     dry_run: bool = False
     shard: ShardSpec | None = None  # --shard I/N: this process measures that part of the pairs
     run_id: str | None = None  # --run-id: the run the shards share
+    rank_group_shards: bool = False  # --rank-group-shards: each world size above 1 a shard of its own, first
 
 
 @dataclass
@@ -129,7 +130,8 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     pairs = [Pair(case, impl) for case in suite.cases for impl in impls]
     every_pair = {p.key for p in pairs}
     if options.shard is not None:
-        chosen = shards.split([p.case.world_size for p in pairs], options.shard.count)[options.shard.index]
+        splitter = shards.split_rank_groups if options.rank_group_shards else shards.split
+        chosen = splitter([p.case.world_size for p in pairs], options.shard.count)[options.shard.index]
         pairs = [pairs[i] for i in chosen]
     simulated_ranks_per_node()  # a bad BENCH_RANKS_PER_NODE stops the run before anything is written
     if options.dry_run:

@@ -89,6 +89,21 @@ def split(weights: Sequence[int], count: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+def split_rank_groups(world_sizes: Sequence[int], count: int) -> list[list[int]]:
+    """With rank groups as shards of their own (`bench submit --nodes-per-rank-group K`, which launches each
+    across K nodes): shard g < G holds every pair of the g-th world size above 1 (ascending), the other count - G
+    shards split the single-rank pairs as `split` does."""
+    groups = sorted({w for w in world_sizes if w > 1})
+    singles = [i for i, w in enumerate(world_sizes) if w == 1]
+    if singles and count <= len(groups):
+        raise BadInput(f"got {count} shards; with rank groups as shards of their own, the {len(groups)} world sizes "
+                       f"{groups} take the first {len(groups)} and the single-rank pairs need at least one more",
+                       field="--shard")
+    parts = [[i for i, w in enumerate(world_sizes) if w == g] for g in groups]
+    rest = split([1] * len(singles), count - len(groups)) if count > len(groups) else []
+    return parts + [[singles[i] for i in part] for part in rest]
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: Path) -> Iterator[None]:
     """Exclusive lock of a run directory (blocking): creating run.json, setting finished_at."""

@@ -26,7 +26,7 @@ from bench.measure.env import git_info
 from bench.results.store import RecordWriter, create_run_dir, read_run_records, utc_now, write_json_atomic
 from bench.run import executors
 from bench.run.runner import Pair, failed_record, select_impls
-from bench.run.shards import PartLock, ShardSpec, split
+from bench.run.shards import PartLock, ShardSpec, split, split_rank_groups
 from bench.spec.suite import Suite, load_suite
 
 SUBMIT_JSON = "submit.json"
@@ -60,23 +60,26 @@ def submit(options: SubmitOptions, console: Console) -> int:
         raise BadInput(f"got {options.shards}; at least 1 shard", field="--shards")
     if options.nodes_per_rank_group < 1:
         raise BadInput(f"got {options.nodes_per_rank_group}; at least 1 node", field="--nodes-per-rank-group")
-    if options.nodes_per_rank_group > 1:
-        raise BadInput(f"got {options.nodes_per_rank_group}: rank groups across nodes are launched with srun or "
-                       "torchrun around `bench run` (docs/cluster.md); `bench submit` runs each rank group on one "
-                       "node (1)", field="--nodes-per-rank-group")
+    if options.nodes_per_rank_group > 1 and options.executor != "slurm":
+        raise BadInput(f"got {options.nodes_per_rank_group} with --executor {options.executor}: rank groups across "
+                       "nodes need --executor slurm (local shards run on this machine)", field="--nodes-per-rank-group")
     suite_path = options.suite.resolve()
     suite = load_suite(suite_path)
     select_impls(suite, options.impls)
+    rank_groups = _rank_groups(suite, options) if options.nodes_per_rank_group > 1 else []
     executor = executors.make(options.executor, partition=options.partition, gpus=options.gpus_per_shard,
                               time_limit=options.time_limit)  # BadInput without sbatch on PATH
     run_id, run_dir = create_run_dir(options.out, suite.name, git_info().get("commit") or "nogit")
-    plan: dict[str, Any] = {"suite_file": str(suite_path), "executor": options.executor, "shards": options.shards,
-            "impls": options.impls, "out": str(options.out.resolve()), "run_id": run_id,
-            "settings": executor.settings(), "jobs": {}, "submitted_at": utc_now()}
-    for index, job in enumerate(executor.start_all(options.shards, plan, run_dir)):
+    plan: dict[str, Any] = {
+        "suite_file": str(suite_path), "executor": options.executor, "shards": options.shards + len(rank_groups),
+        "rank_groups": rank_groups, "nodes_per_rank_group": options.nodes_per_rank_group, "impls": options.impls,
+        "out": str(options.out.resolve()), "run_id": run_id, "settings": executor.settings(), "jobs": {},
+        "submitted_at": utc_now()}
+    for index, job in enumerate(executor.start_all(plan["shards"], plan, run_dir)):
         plan["jobs"][str(index)] = [job]
     write_json_atomic(run_dir / SUBMIT_JSON, plan)
-    console.print(f"submitted {options.shards} shards of {suite.name} ({options.executor}): {run_dir}")
+    groups = f" (rank groups P={rank_groups} across {options.nodes_per_rank_group} nodes each)" if rank_groups else ""
+    console.print(f"submitted {plan['shards']} shards{groups} of {suite.name} ({options.executor}): {run_dir}")
     if options.no_wait:
         console.print(f"watch or finish it with: bench submit --attach {run_dir}")
         return 0
@@ -94,9 +97,21 @@ def read_plan(run_dir: Path) -> dict[str, Any]:
         raise BadInput(f"not valid JSON: {exc}", file=str(path), field="--attach") from None
 
 
-def shard_pairs(suite: Suite, impls: list[str], count: int) -> list[list[Pair]]:
+def _rank_groups(suite: Suite, options: SubmitOptions) -> list[int]:
+    """The world sizes above 1, ascending: each a rank-group shard of P tasks over K nodes."""
+    k = options.nodes_per_rank_group
+    sizes = sorted({c.world_size for c in suite.cases if c.world_size > 1})
+    uneven = [p for p in sizes if p % k or p < k]
+    if uneven:
+        raise BadInput(f"got {k} nodes per rank group; world sizes {uneven} do not split evenly over {k} nodes",
+                       field="--nodes-per-rank-group")
+    return sizes
+
+
+def shard_pairs(suite: Suite, impls: list[str], count: int, rank_groups: bool = False) -> list[list[Pair]]:
     pairs = [Pair(case, impl) for case in suite.cases for impl in select_impls(suite, impls)]
-    return [[pairs[i] for i in part] for part in split([p.case.world_size for p in pairs], count)]
+    splitter = split_rank_groups if rank_groups else split
+    return [[pairs[i] for i in part] for part in splitter([p.case.world_size for p in pairs], count)]
 
 
 def watch(run_dir: Path, console: Console, sleep: Callable[[float], None] = time.sleep) -> int:
@@ -106,7 +121,7 @@ def watch(run_dir: Path, console: Console, sleep: Callable[[float], None] = time
     suite = load_suite(Path(plan["suite_file"]))
     executor = executors.make(plan["executor"], **plan.get("settings", {}))
     count = int(plan["shards"])
-    parts = shard_pairs(suite, plan.get("impls") or [], count)
+    parts = shard_pairs(suite, plan.get("impls") or [], count, bool(plan.get("rank_groups")))
     last = ""
     while True:
         held = {(r.case_id, r.impl) for r in read_run_records(run_dir).records}
