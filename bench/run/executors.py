@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 
 from bench.errors import BadInput
 from bench.results.store import utc_now
+from bench.run.child import start_detached
 from bench.run.shards import ShardSpec
 
 NAMES = ("local", "slurm")
@@ -63,9 +64,7 @@ class LocalExecutor:
 
     def start(self, shard: ShardSpec, plan: dict, run_dir: Path) -> dict[str, Any]:
         log = run_dir / f"shard{shard.index}of{shard.count}.{utc_now()[:19].replace(':', '')}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(shard_command(shard.label, plan), cwd=PROJECT_ROOT, stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = start_detached(shard_command(shard.label, plan), PROJECT_ROOT, log)
         self.procs[proc.pid] = proc
         return {"id": proc.pid, "host": os.uname().nodename, "log": str(log), "started_at": utc_now()}
 
