@@ -23,7 +23,14 @@ from rich.console import Console
 
 from bench.errors import BadInput
 from bench.measure.env import git_info
-from bench.results.store import RecordWriter, create_run_dir, read_run_records, utc_now, write_json_atomic
+from bench.results.store import (
+    RecordWriter,
+    create_run_dir,
+    read_run_info,
+    read_run_records,
+    utc_now,
+    write_json_atomic,
+)
 from bench.run import executors
 from bench.run.runner import Pair, failed_record, select_impls
 from bench.run.shards import PartLock, ShardSpec, split, split_rank_groups
@@ -119,6 +126,12 @@ def watch(run_dir: Path, console: Console, sleep: Callable[[float], None] = time
     run_dir = run_dir.resolve()
     plan = read_plan(run_dir)
     suite = load_suite(Path(plan["suite_file"]))
+    if (run_dir / "run.json").exists():
+        info = read_run_info(run_dir)
+        if info.suite.name != suite.name or info.suite.content != suite.content:
+            raise BadInput(f"{plan['suite_file']} no longer holds the suite this run was made from (its shards would "
+                           "refuse it); restore it, or submit the new suite as a new run", file=str(run_dir),
+                           field="--attach")
     executor = executors.make(plan["executor"], **plan.get("settings", {}))
     count = int(plan["shards"])
     parts = shard_pairs(suite, plan.get("impls") or [], count, bool(plan.get("rank_groups")))
