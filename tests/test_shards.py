@@ -89,6 +89,11 @@ def test_another_suite_or_a_second_process_of_a_shard_is_refused_and_nothing_is_
     # The same shard again: nothing left to measure, nothing appended.
     assert main(["run", str(suite), "--shard", "0/2", "--run-id", RUN_ID, "--out", str(out)]) == 0
     assert part.read_bytes() == before
+    assert json.loads((run_dir / "run.json").read_text())["finished_at"] is None  # shard 1 has not run
+    # The other shard, resumed by its directory: the run is whole, and finished.
+    assert main(["run", str(suite), "--resume", str(run_dir), "--shard", "1/2"]) == 0
+    assert sorted((r.case_id, r.impl) for r in read_run_records(run_dir).records) == sorted(pairs_of(suite))
+    assert json.loads((run_dir / "run.json").read_text())["finished_at"] is not None
 
 
 def test_local_shards_concurrently_one_killed_and_resubmitted_lose_and_duplicate_nothing(tmp_path):
