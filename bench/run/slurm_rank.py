@@ -28,9 +28,9 @@ def launcher_env(slurm: Mapping[str, str]) -> dict[str, str]:
 
 def main() -> int:
     os.environ.update(launcher_env(os.environ))
-    from bench.cli import main as bench_main
-
-    return bench_main(sys.argv[1:])
+    # `bench` itself in this process's place (bench.run sits below the command line it would import)
+    os.execv(sys.executable, [sys.executable, "-m", "bench", *sys.argv[1:]])
+    return 0  # not reached
 
 
 if __name__ == "__main__":
