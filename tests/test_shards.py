@@ -3,6 +3,7 @@ a shard killed mid-run and resubmitted for its missing pairs only, and bad input
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,37 +97,39 @@ def test_another_suite_or_a_second_process_of_a_shard_is_refused_and_nothing_is_
     assert json.loads((run_dir / "run.json").read_text())["finished_at"] is not None
 
 
-def test_local_shards_concurrently_one_killed_and_resubmitted_lose_and_duplicate_nothing(tmp_path):
+def test_local_shards_concurrently_one_killed_and_resubmitted_lose_and_duplicate_nothing(tmp_path, capsys):
+    """Two local shards run at once (`submit --no-wait`), shard 1 is SIGKILLed after its first record, and
+    `submit --attach` (another process, which did not start them) watches shard 0 to its end and resubmits shard 1
+    for its missing pairs."""
     suite = write_suite(tmp_path, {**SUITE, "measure": {**SUITE["measure"], "repeat": 20, "max_time_s": 0.3}})
     out = tmp_path / "results"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    submit = subprocess.Popen(bench_cmd("submit", str(suite), "--shards", "2", "--out", str(out)), cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert main(["submit", str(suite), "--shards", "2", "--out", str(out), "--no-wait"]) == 0
+    assert "bench submit --attach" in capsys.readouterr().out
+    run_dir = next(out.glob("*-shardy"))
+    jobs = json.loads((run_dir / "submit.json").read_text())["jobs"]
     try:
-        deadline = time.monotonic() + 240
-        run_dir = victim = None
-        while time.monotonic() < deadline and victim is None:  # shard 1 as soon as it has written a record
-            runs = list(out.glob("*-shardy")) if out.exists() else []
-            part = runs[0] / "records.1of2.jsonl" if runs else None
-            if part is not None and part.exists() and read_jsonl(part) and (runs[0] / "submit.json").exists():
-                run_dir = runs[0]
-                victim = json.loads((run_dir / "submit.json").read_text())["jobs"]["1"][0]["id"]
+        part, deadline = run_dir / "records.1of2.jsonl", time.monotonic() + 240
+        while not (part.exists() and read_jsonl(part)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert victim is not None and run_dir is not None, "shard 1 wrote nothing"
-        killed_at = len(read_jsonl(run_dir / "records.1of2.jsonl"))
-        os.killpg(int(victim), signal.SIGKILL)
-        output, _ = submit.communicate(timeout=300)
+        killed_at = len(read_jsonl(part))
+        assert killed_at > 0, "shard 1 wrote nothing"
+        os.killpg(int(jobs["1"][0]["id"]), signal.SIGKILL)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        attach = subprocess.run(bench_cmd("submit", "--attach", str(run_dir)), cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
     finally:
-        if submit.poll() is None:
-            submit.kill()
-    assert submit.returncode == 0, output
-    assert "submitting it again (2 of 3)" in output and "shards: 0 pending, 0 running, 2 done, 0 failed" in output
+        for job in json.loads((run_dir / "submit.json").read_text())["jobs"].values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(job[-1]["id"]), signal.SIGKILL)  # only if the test failed half-way
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    assert "shard 1/2: job" in attach.stdout and "submitting it again (2 of 3)" in attach.stdout
+    assert "shards: 0 pending, 0 running, 2 done, 0 failed" in attach.stdout
     merged = read_run_records(run_dir)
     keys = [(r.case_id, r.impl) for r in merged.records]
     assert sorted(keys) == sorted(pairs_of(suite)) and not merged.warnings  # every pair once
     assert all(r.status == "ok" and r.error is not None and r.error.rel_l2 <= r.error.tolerance
                for r in merged.records)
-    assert len(read_jsonl(run_dir / "records.1of2.jsonl")) >= killed_at  # nothing written was lost
+    assert len(read_jsonl(part)) >= killed_at  # nothing written was lost
     plan = json.loads((run_dir / "submit.json").read_text())
     assert len(plan["jobs"]["1"]) == 2 and len(plan["jobs"]["0"]) == 1
     assert json.loads((run_dir / "run.json").read_text())["finished_at"] is not None
