@@ -69,10 +69,11 @@ def test_counted_bytes_per_peer_equal_every_schemes_closed_form():
                     assert link_bytes(sent, nodes) == impl.expected_comm_bytes_by_link(case, nodes)
             checked.add(name)
     assert checked == set(SCHEMES)
+    inter_node_bytes_follow_the_placement(got["fwd"])
+    ulysses_stays_inside_nodes(got["fwd"]["cp_usp"])
 
 
-def test_inter_node_bytes_follow_the_placement():
-    got = counted(4, NODES)["fwd"]
+def inter_node_bytes_follow_the_placement(got: dict[str, list[list[int]]]) -> None:
     by_link = {name: link_bytes(sent, [0, 0, 1, 1]) for name, sent in got.items()}
     # Rings (tp_heads, cp_ring, cp_allgather): ranks 1 -> 2 and 3 -> 0 cross: half of the ring's steps.
     for name in ("tp_heads", "cp_ring", "cp_allgather"):
@@ -93,10 +94,12 @@ def test_cp_usp_places_its_ulysses_groups_inside_nodes():
     assert default_degree(8, 8, 8, [0, 0, 1, 1, 2, 2, 3, 3]) == 2  # groups of 2 ranks, each on its node
     assert default_degree(8, 8, 8, [0, 1] * 4) == 1  # no group fits a node: the ring alone
     assert groups_inside_nodes(2, [0, 0, 1, 1]) and not groups_inside_nodes(2, [0, 1, 0, 1])
-    # Counted with nodes (0, 0, 1, 1): the Ulysses all-to-alls stay inside the nodes, only the ring crosses.
+
+
+def ulysses_stays_inside_nodes(sent: list[list[int]]) -> None:
+    """Counted with nodes (0, 0, 1, 1): the Ulysses all-to-alls stay inside the nodes, only the ring crosses."""
     case = cases(4)["fwd"]
     impl = registry.get("cp_usp")
-    sent = counted(4, NODES)["fwd"]["cp_usp"]
     with use(placed(NODES)):
         levels = impl.expected_comm_bytes_by_level(case)
         assert impl.degree(case) == 2
