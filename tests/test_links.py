@@ -14,6 +14,8 @@ from datetime import timedelta
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 import impls  # noqa: F401
 from bench import registry
 from bench.comm import Communicator, link_bytes, use
@@ -147,3 +149,16 @@ def test_the_dashboard_draws_inter_node_bytes_against_world_size_and_placement(t
     off = rows_from_runs([load_run(write_run(tmp_path / "off", commit=commit_id(2), records=[rec(4, 2, 500, 400)],
                                              suite="multi"))])
     assert links_figure(off, Colours([])).notes == ["1 record(s) differ from the closed form's split"]
+
+
+def test_a_simulated_placement_is_read_from_the_environment(monkeypatch):
+    from bench.errors import BadInput
+    from bench.run.ranks import simulated_ranks_per_node
+
+    monkeypatch.delenv("BENCH_RANKS_PER_NODE", raising=False)
+    assert simulated_ranks_per_node() is None
+    monkeypatch.setenv("BENCH_RANKS_PER_NODE", "2")
+    assert simulated_ranks_per_node() == 2
+    monkeypatch.setenv("BENCH_RANKS_PER_NODE", "0")
+    with pytest.raises(BadInput, match="BENCH_RANKS_PER_NODE: got '0'; a positive integer"):
+        simulated_ranks_per_node()
