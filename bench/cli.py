@@ -18,10 +18,49 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from bench.run.runner import RunOptions, run
+    from bench.run.shards import parse_shard
 
+    shard = parse_shard(args.shard) if args.shard is not None else None
+    if args.run_id is not None and shard is None:
+        raise BadInput(f"got {args.run_id!r} without --shard; --run-id names the run that shards share",
+                       field="--run-id")
     options = RunOptions(suite=Path(args.suite), impls=args.impl or [], device=args.device, out=Path(args.out),
-                         resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run)
+                         resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run, shard=shard,
+                         run_id=args.run_id, rank_group_shards=args.rank_group_shards)
     return run(options, make_console())
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from bench.run.submit import SubmitOptions, submit
+
+    if (args.suite is None) == (args.attach is None):
+        raise BadInput("give SUITE.yaml to submit a run, or --attach RUN_DIR to watch one (not both)", field="SUITE")
+    options = SubmitOptions(suite=Path(args.suite) if args.suite else None, executor=args.executor,
+                            shards=args.shards, partition=args.partition, gpus_per_shard=args.gpus_per_shard,
+                            time_limit=args.time, nodes_per_rank_group=args.nodes_per_rank_group, out=Path(args.out),
+                            no_wait=args.no_wait, attach=Path(args.attach) if args.attach else None,
+                            impls=args.impl or [])
+    return submit(options, make_console())
+
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="run a suite as N shards on Slurm or as local processes, and watch them",
+                       description="Every shard is `bench run SUITE --shard I/N` writing its part of one run; a "
+                                   "shard that dies is submitted again for its missing pairs (docs/cluster.md).")
+    p.add_argument("suite", nargs="?", metavar="SUITE.yaml")
+    p.add_argument("--executor", default="local", help="slurm (a job array via sbatch) or local (processes "
+                   "here; default)")
+    p.add_argument("--shards", type=int, default=2, metavar="N", help="number of shards (default 2)")
+    p.add_argument("--partition", metavar="P", help="Slurm partition")
+    p.add_argument("--gpus-per-shard", type=int, default=0, metavar="G", help="GPUs per Slurm shard (default 0)")
+    p.add_argument("--time", metavar="T", help="Slurm time limit per shard (e.g. 01:00:00)")
+    p.add_argument("--nodes-per-rank-group", type=int, default=1, metavar="K",
+                   help="nodes a multi-rank pair spans (only 1 here: see docs/cluster.md)")
+    p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation (repeatable)")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
+    p.add_argument("--no-wait", action="store_true", help="return once the shards are submitted")
+    p.add_argument("--attach", metavar="RUN_DIR", help="watch (and finish) a submitted run")
+    p.set_defaults(func=_cmd_submit)
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -177,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
     p.add_argument("--resume", metavar="RUN_DIR", help="measure only the pairs missing from this run")
     p.add_argument("--dry-run", action="store_true", help="print the cases and implementations, run nothing")
+    p.add_argument("--shard", metavar="I/N", help="measure only part I of N of the pairs (0 <= I < N), into "
+                   "records.<I>of<N>.jsonl of the run the shards share (docs/cluster.md)")
+    p.add_argument("--run-id", metavar="ID", help="with --shard: the run the shards write (default: derived from "
+                   "the commit, so shards of one commit join one run)")
+    p.add_argument("--rank-group-shards", action="store_true", help="with --shard: shards 0..G-1 are the G world "
+                   "sizes above 1, each whole (launched across nodes), the others split the single-rank pairs")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("list", help="implementations, patterns, selectors or hardware, with availability")
@@ -280,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_profile)
     _add_inputs(sub)
     _add_capture(sub)
+    _add_submit(sub)
     return parser
 
 

@@ -28,6 +28,11 @@ scheme with two levels of communication (cp_usp: Ulysses all-to-alls inside grou
 reports each level's bytes. The differentiable ops of `bench.comm_autograd` count their backward under the
 level their forward ran in.
 
+Peers. Each op also counts the bytes this rank sends to each peer (`peers_snapshot()`, ranks of the group): a
+ring op's bytes all go to the next rank of the ring ((rank + 1) % P, the logical ring nccl-tests counts), an
+all-to-all's split j to rank j, a send to its peer. With the ranks' nodes these give the bytes over each kind of
+link (`link_bytes`: intra_node, inter_node).
+
 With one rank (no process group) every op is the local identity it reduces to and counts nothing, so a
 distributed implementation also runs in a single process (`bench.api.attention` with world_size 1).
 """
@@ -46,7 +51,7 @@ from torch import Tensor
 from bench.comm_timing import LevelStats, OpStats, Pending, start_waiter
 
 __all__ = ["OPS", "P2P", "Communicator", "LevelStats", "OpStats", "Pending", "all_reduce_sent", "broadcast_sent",
-           "bus_factor", "current", "nbytes", "ring_chunks", "use"]
+           "bus_factor", "current", "link_bytes", "nbytes", "ring_chunks", "use"]
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
        "send", "recv", "batch_isend_irecv")
@@ -95,6 +100,19 @@ def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def link_bytes(sent: Sequence[Sequence[int]], node_of_rank: Sequence[int]) -> dict[str, int]:
+    """{intra_node, inter_node}: the bytes of a traffic matrix (sent[src][dst]) between ranks on one node and
+    between ranks on different nodes."""
+    intra = inter = 0
+    for src, row in enumerate(sent):
+        for dst, b in enumerate(row):
+            if node_of_rank[src] == node_of_rank[dst]:
+                intra += b
+            else:
+                inter += b
+    return {"intra_node": intra, "inter_node": inter}
+
+
 # --- the counters ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -119,6 +137,8 @@ class Communicator:
         self.stats: dict[str, OpStats] = {}
         self.level_stats: dict[str, LevelStats] = {}
         self.active_level: str | None = None
+        self.peer_bytes: dict[int, int] = {}  # group rank -> bytes this rank sent it
+        self.node_of_rank: list[int] | None = None  # the group's topology, where the harness knows it
 
     @classmethod
     def from_group(cls, group: Any) -> Communicator:
@@ -131,6 +151,7 @@ class Communicator:
     def reset(self) -> None:
         self.stats = {}
         self.level_stats = {}
+        self.peer_bytes = {}
 
     @contextlib.contextmanager
     def level(self, name: str | None) -> Iterator[None]:
@@ -162,6 +183,17 @@ class Communicator:
     def levels_snapshot(self) -> dict[str, dict[str, int]]:
         """{level: {calls, bytes_sent}} of the ops counted under a level since the last reset."""
         return {name: {"calls": s.calls, "bytes_sent": s.bytes_sent} for name, s in self.level_stats.items()}
+
+    def peers_snapshot(self) -> dict[int, int]:
+        """{group rank: bytes this rank sent it} since the last reset."""
+        return dict(self.peer_bytes)
+
+    def _to(self, peer: int, sent: int) -> None:
+        if self.counting and self.world_size > 1 and sent:
+            self.peer_bytes[peer] = self.peer_bytes.get(peer, 0) + sent
+
+    def _next(self) -> int:
+        return (self.rank + 1) % self.world_size
 
     def _count(self, op: str, sent: int, size: int) -> OpStats:
         s = self.stats.setdefault(op, OpStats())
@@ -200,8 +232,9 @@ class Communicator:
 
         if self.world_size == 1:
             return t
-        with self._op("all_reduce", all_reduce_sent(t.numel(), t.element_size(), self.rank, self.world_size),
-                      nbytes(t), t.device):
+        sent = all_reduce_sent(t.numel(), t.element_size(), self.rank, self.world_size)
+        self._to(self._next(), sent)
+        with self._op("all_reduce", sent, nbytes(t), t.device):
             dist.all_reduce(t, group=self.group)
         return t
 
@@ -215,6 +248,7 @@ class Communicator:
         if self.world_size == 1:
             return out.copy_(inp.reshape(out.shape))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._to(self._next(), (self.world_size - 1) * nbytes(inp))
         with self._op("all_gather_into_tensor", (self.world_size - 1) * nbytes(inp), nbytes(out), out.device):
             # flat views: gloo wants the output as the inputs concatenated, not stacked
             gather(out.view(-1), inp.contiguous().view(-1), group=self.group)
@@ -230,6 +264,7 @@ class Communicator:
         if self.world_size == 1:
             return out.copy_(inp.reshape(out.shape))
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._to(self._next(), (self.world_size - 1) * nbytes(out))
         with self._op("reduce_scatter_tensor", (self.world_size - 1) * nbytes(out), nbytes(inp), out.device):
             scatter(out.view(-1), inp.contiguous().view(-1), group=self.group)
         return out
@@ -248,6 +283,9 @@ class Communicator:
             return out.copy_(inp)
         row_bytes = nbytes(inp) // rows if rows else 0
         sent = row_bytes * (rows - splits[self.rank])  # the rank's own split stays local
+        for peer, count in enumerate(splits):
+            if peer != self.rank:
+                self._to(peer, row_bytes * count)
         with self._op("all_to_all_single", sent, nbytes(inp), inp.device):
             dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=output_split_sizes,
                                    input_split_sizes=input_split_sizes, group=self.group)
@@ -259,14 +297,16 @@ class Communicator:
 
         if self.world_size == 1:
             return t
-        with self._op("broadcast", broadcast_sent(nbytes(t), self.rank, src, self.world_size), nbytes(t),
-                      t.device):
+        sent = broadcast_sent(nbytes(t), self.rank, src, self.world_size)
+        self._to(self._next(), sent)
+        with self._op("broadcast", sent, nbytes(t), t.device):
             dist.broadcast(t, self._global(src), group=self.group)
         return t
 
     def send(self, t: Tensor, dst: int) -> None:
         import torch.distributed as dist
 
+        self._to(dst, nbytes(t))
         with self._op("send", nbytes(t), nbytes(t), t.device):
             dist.send(t.contiguous(), self._global(dst), group=self.group)
 
@@ -283,6 +323,7 @@ class Communicator:
             return
         sent = sum(nbytes(o.tensor) for o in ops if o.kind == "send")
         device = ops[0].tensor.device
+        self._to_peers(ops)
         with self._op("batch_isend_irecv", sent, sent, device):
             for request in self._post(ops):
                 request.wait()
@@ -297,6 +338,7 @@ class Communicator:
         device = ops[0].tensor.device
         if not self.counting:
             return Pending(self._post(ops))
+        self._to_peers(ops)
         stats = self._count("batch_isend_irecv", sent, sent)
         if device.type == "cuda":
             issue = torch.cuda.Event(enable_timing=True)
@@ -306,6 +348,11 @@ class Communicator:
         works = self._post(ops)
         t_post = time.perf_counter()
         return Pending(works, stats, t_issue=t_issue, t_post=t_post, waiter=start_waiter(works))
+
+    def _to_peers(self, ops: Sequence[P2P]) -> None:
+        for o in ops:
+            if o.kind == "send":
+                self._to(o.peer, nbytes(o.tensor))
 
     def _post(self, ops: Sequence[P2P]) -> list[Any]:
         import torch.distributed as dist

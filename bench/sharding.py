@@ -16,9 +16,11 @@ them, and the output, against the float64 oracle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from bench.comm import link_bytes
 from bench.registry import Impl
 
 if TYPE_CHECKING:
@@ -189,4 +191,15 @@ class DistributedImpl(Impl):
     def expected_comm_bytes_by_level(self, case: Case) -> dict[str, int] | None:
         """Closed forms per communication level (the op labels), or None for a single level."""
         return None
+
+    def expected_comm_matrix(self, case: Case) -> list[list[int]] | None:
+        """Closed form of the bytes rank s sends rank d per step, sent[s][d] (ranks of the case's group; its sum
+        is `expected_comm_bytes`), or None where it is not known. With the ranks' nodes it gives the bytes over
+        each kind of link (`expected_comm_bytes_by_link`)."""
+        return None
+
+    def expected_comm_bytes_by_link(self, case: Case, node_of_rank: Sequence[int]) -> dict[str, int] | None:
+        """{intra_node, inter_node}: `expected_comm_matrix` split by whether both ranks are on one node."""
+        sent = self.expected_comm_matrix(case)
+        return None if sent is None else link_bytes(sent, node_of_rank)
 

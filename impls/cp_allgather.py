@@ -14,7 +14,7 @@ import torch
 from bench.comm_autograd import all_gather
 from bench.registry import register
 from bench.sharding import DistributedImpl
-from impls.parallel_common import attend, communicator_for, kv_row_bytes
+from impls.parallel_common import attend, communicator_for, kv_row_bytes, ring_matrix
 
 
 @register
@@ -51,3 +51,12 @@ class AllGatherContextParallel(DistributedImpl):
         p = case.world_size
         forward = (p - 1) * case.seq_len * kv_row_bytes(case)
         return forward if case.mode == "fwd" else 2 * forward
+
+    def expected_comm_matrix(self, case):
+        """A ring all-gather (and in fwd_bwd a ring reduce-scatter): every rank sends rank r+1 (P-1) chunks of
+        C = N/P rows of 2*B*Hkv*D*e bytes, each time."""
+        if case.checkpoint:
+            return None
+        p = case.world_size
+        per_rank = (p - 1) * (case.seq_len // p) * kv_row_bytes(case)
+        return ring_matrix(p, per_rank if case.mode == "fwd" else 2 * per_rank)

@@ -20,7 +20,7 @@ import torch
 
 from bench.registry import register
 from bench.sharding import DistributedImpl
-from impls.parallel_common import Ring, communicator_for, ring_attention, ring_bytes
+from impls.parallel_common import Ring, communicator_for, ring_attention, ring_bytes, ring_matrix
 
 
 @register
@@ -63,3 +63,9 @@ class RingContextParallel(DistributedImpl):
     def expected_comm_bytes_by_level(self, case):
         total = self.expected_comm_bytes(case)
         return None if total is None else {"ring": total}
+
+    def expected_comm_matrix(self, case):
+        """Every rank sends all it sends to rank r+1: 1/P of `expected_comm_bytes` (each rank passes P-1 K/V
+        blocks of the same size, and in fwd_bwd P-1 more and P dK/dV blocks)."""
+        total = self.expected_comm_bytes(case)
+        return None if total is None else ring_matrix(case.world_size, total // case.world_size)

@@ -97,3 +97,20 @@ class SparseContextParallel(DistributedImpl):
         fetched = sum(len(keys) for keys in needed_keys(case.make_pattern(), case))
         forward = fetched * kv_row_bytes(case)
         return forward if case.mode == "fwd" else 2 * forward
+
+    def expected_comm_matrix(self, case):
+        """sent[o][r]: the rows of owner o among the positions r fetches, times 2*B*Hkv*D*e; in fwd_bwd their
+        gradients also go back, sent[r][o] as much. A local window's halo crosses only the boundaries between
+        consecutive ranks, so across nodes only a node's first and last ranks send over the inter-node link."""
+        if case.checkpoint:
+            return None
+        p = case.world_size
+        owner, _ = owners([self.shard(case, r) for r in range(p)], case.seq_len)
+        sent = [[0] * p for _ in range(p)]
+        row = kv_row_bytes(case)
+        for r, keys in enumerate(needed_keys(case.make_pattern(), case)):
+            for o, count in enumerate(torch.bincount(owner[keys], minlength=p).tolist()):
+                sent[o][r] += count * row
+                if case.mode != "fwd":
+                    sent[r][o] += count * row
+        return sent

@@ -24,6 +24,7 @@ from impls.parallel_common import (
     ulysses_bytes,
     ulysses_gather_heads,
     ulysses_kv_heads,
+    ulysses_peer_bytes,
     ulysses_problem,
     ulysses_scatter_heads,
 )
@@ -82,3 +83,11 @@ class UlyssesContextParallel(DistributedImpl):
     def expected_comm_bytes_by_level(self, case):
         total = self.expected_comm_bytes(case)
         return None if total is None else {"ulysses": total}
+
+    def expected_comm_matrix(self, case):
+        """All-to-all over every rank: each rank sends each other rank `ulysses_peer_bytes(case, P)`, 1/P of its
+        q, k, v and of its output, B*(N/P)*D*(2H + 2Hkv')/P elements (twice in fwd_bwd)."""
+        if case.checkpoint:
+            return None
+        p, peer = case.world_size, ulysses_peer_bytes(case, case.world_size)
+        return [[0 if s == d else peer for d in range(p)] for s in range(p)]

@@ -13,7 +13,10 @@ the R-way split, so the ring is balanced too.
 The Ulysses all-to-alls are counted under the level "ulysses", the ring shifts under "ring". (The all-to-all
 spans every rank and sends nothing outside the group, the bytes a group communicator would move; a real USP
 builds one communicator per group.) ulysses_degree null: the largest proper divisor of P that the heads allow
-(so both levels exist from P = 4; P = 2 is a ring of two). u = P is Ulysses alone, u = 1 the ring alone.
+(so both levels exist from P = 4; P = 2 is a ring of two) whose groups of consecutive ranks each lie on one node,
+where the harness knows the ranks' nodes (`bench.comm.current().node_of_rank`): the all-to-alls, the larger share,
+stay on the fast links inside a node and only the ring crosses nodes. Records say where the groups are
+(`config.ulysses_groups`: inside nodes | across nodes). u = P is Ulysses alone, u = 1 the ring alone.
 Grouped-query attention as in cp_ulysses, at u ranks per group.
 """
 
@@ -21,28 +24,45 @@ from __future__ import annotations
 
 import torch
 
+from bench.comm import current
 from bench.registry import register
 from bench.sharding import DistributedImpl, owned_row_pairs
 from impls.parallel_common import (
     Ring,
     UlyssesGroup,
     communicator_for,
+    empty_matrix,
     ring_attention,
     ring_bytes,
+    ring_matrix,
     ulysses_bytes,
     ulysses_gather_heads,
     ulysses_kv_heads,
+    ulysses_peer_bytes,
     ulysses_problem,
     ulysses_scatter_heads,
 )
 
 
-def default_degree(heads: int, kv_heads: int, world_size: int) -> int:
-    """The largest divisor of world_size below it that the heads allow (1 for one or two ranks)."""
+def default_degree(heads: int, kv_heads: int, world_size: int, node_of_rank: list[int] | None = None) -> int:
+    """The largest divisor of world_size below it that the heads allow (1 for one or two ranks), and with
+    `node_of_rank` whose groups lie inside nodes (1 at worst: a ring alone)."""
     for d in range(world_size - 1, 0, -1):
-        if world_size % d == 0 and ulysses_problem("", heads, kv_heads, d, "") is None:
+        if world_size % d == 0 and ulysses_problem("", heads, kv_heads, d, "") is None and (
+                node_of_rank is None or groups_inside_nodes(d, node_of_rank)):
             return d
     return 1
+
+
+def groups_inside_nodes(degree: int, node_of_rank: list[int]) -> bool:
+    """Every group of `degree` consecutive ranks lies on one node."""
+    return all(len(set(node_of_rank[g:g + degree])) == 1 for g in range(0, len(node_of_rank), degree))
+
+
+def topology(case) -> list[int] | None:
+    """The ranks' nodes, when the case is being measured on a group whose nodes the harness knows."""
+    comm = current()
+    return comm.node_of_rank if comm.world_size == case.world_size else None
 
 
 @register
@@ -60,7 +80,7 @@ class UnifiedSequenceParallel(DistributedImpl):
         """u: the case's ulysses_degree, or the default."""
         if case.ulysses_degree is not None:
             return case.ulysses_degree
-        return default_degree(case.heads, case.n_kv_heads, case.world_size)
+        return default_degree(case.heads, case.n_kv_heads, case.world_size, topology(case))
 
     def unsupported(self, case):
         why = super().unsupported(case)
@@ -87,6 +107,9 @@ class UnifiedSequenceParallel(DistributedImpl):
         u, rings = self._groups(case)
         place, index = r // u, r % u
         self._extras = {"ulysses_degree": u, "ring_degree": rings}
+        nodes = topology(case)
+        if nodes is not None:
+            self._extras["ulysses_groups"] = "inside nodes" if groups_inside_nodes(u, nodes) else "across nodes"
         shard = self.shard(case, r)
         q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
         repeat = ulysses_kv_heads(case.heads, case.n_kv_heads, u) // case.n_kv_heads
@@ -134,3 +157,20 @@ class UnifiedSequenceParallel(DistributedImpl):
         u, rings = self._groups(case)
         kv = ulysses_kv_heads(case.heads, case.n_kv_heads, u)
         return {"ulysses": ulysses_bytes(case, u) if u > 1 else 0, "ring": ring_bytes(case, rings, kv)}
+
+    def expected_comm_matrix(self, case):
+        """Ulysses: each rank sends each other member of its group (ranks g*u .. g*u+u-1) `ulysses_peer_bytes`;
+        ring: each rank sends rank (r + u) % P, the next member of its ring, 1/P of the ring level's bytes."""
+        levels = self.expected_comm_bytes_by_level(case)
+        if levels is None:
+            return None
+        u, _ = self._groups(case)
+        p = case.world_size
+        sent = ring_matrix(p, levels["ring"] // p, step=u) if p // u > 1 else empty_matrix(p)
+        if u > 1:
+            peer = ulysses_peer_bytes(case, u)
+            for r in range(p):
+                for m in range(r // u * u, (r // u + 1) * u):
+                    if m != r:
+                        sent[r][m] += peer
+        return sent

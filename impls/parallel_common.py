@@ -346,3 +346,32 @@ def ulysses_bytes(case: Case, degree: int) -> int:
     per_rank = (degree - 1) * case.batch * per_rank_positions * case.head_dim * (2 * case.heads + 2 * kv) // degree
     forward = case.world_size * per_rank * elem_bytes(case)
     return forward if case.mode == "fwd" else 2 * forward
+
+
+# --- traffic matrices: sent[src][dst], the closed forms per link (DistributedImpl.expected_comm_matrix) ------
+
+def empty_matrix(p: int) -> list[list[int]]:
+    return [[0] * p for _ in range(p)]
+
+
+def ring_matrix(p: int, per_rank: int, step: int = 1) -> list[list[int]]:
+    """Every rank sends `per_rank` bytes to rank (r + step) % P (a ring, or rings of stride `step`)."""
+    sent = empty_matrix(p)
+    if p > 1:
+        for r in range(p):
+            sent[r][(r + step) % p] += per_rank
+    return sent
+
+
+def ulysses_peer_bytes(case: Case, degree: int) -> int:
+    """Bytes one rank sends each other member of its Ulysses group of `degree` ranks in the all-to-alls:
+    1/u of its q, k, v (C = N/P positions, H + 2 Hkv' heads) and of its output (H heads), B*C*D*(2H + 2Hkv')/u
+    elements; fwd_bwd twice that. Summed over the P ranks and u-1 peers this is `ulysses_bytes`."""
+    kv = ulysses_kv_heads(case.heads, case.n_kv_heads, degree)
+    positions = case.seq_len // case.world_size
+    forward = case.batch * positions * case.head_dim * (2 * case.heads + 2 * kv) // degree * elem_bytes(case)
+    return forward if case.mode == "fwd" else 2 * forward
+
+
+def add_matrix(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    return [[x + y for x, y in zip(ra, rb, strict=True)] for ra, rb in zip(a, b, strict=True)]

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from bench.comm import all_reduce_sent
 from bench.comm_autograd import copy_to_ranks, reduce_from_ranks
 from bench.registry import register
 from bench.sharding import DistributedImpl
-from impls.parallel_common import attend, communicator_for, elem_bytes
+from impls.parallel_common import attend, communicator_for, elem_bytes, empty_matrix
 
 
 @register
@@ -57,3 +58,19 @@ class TensorParallelHeads(DistributedImpl):
         s_kv = case.batch * case.seq_len * case.n_kv_heads * case.head_dim * elem_bytes(case)
         forward = 2 * (p - 1) * s_q
         return forward if case.mode == "fwd" else forward + 2 * (p - 1) * (s_q + 2 * s_kv)
+
+    def expected_comm_matrix(self, case):
+        """Ring all-reduces: rank r sends rank r+1 `all_reduce_sent(n, e, r, P)` bytes (bench.comm: 2(P-1)/P of
+        the buffer, exactly per chunk) for n = B*q_len*H*D forward, and n + 2 B*N*Hkv*D (dq, dk, dv in one
+        call) in backward. Across nodes, only the ring's steps from a node's last rank to the next node's first
+        leave a node. Checkpoint: None."""
+        if case.checkpoint:
+            return None
+        p, e = case.world_size, elem_bytes(case)
+        n_q = case.batch * case.n_queries * case.heads * case.head_dim
+        n_kv = case.batch * case.seq_len * case.n_kv_heads * case.head_dim
+        sent = empty_matrix(p)
+        for r in range(p if p > 1 else 0):
+            back = 0 if case.mode == "fwd" else all_reduce_sent(n_q + 2 * n_kv, e, r, p)
+            sent[r][(r + 1) % p] = all_reduce_sent(n_q, e, r, p) + back
+        return sent

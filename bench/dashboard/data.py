@@ -85,6 +85,9 @@ class Row:
     comm_imbalance: float | None = None  # max / mean of the ranks' useful FLOPs
     comm_overlap: float | None = None  # measured overlap fraction (hidden / communication time)
     comm_per_rank: tuple[dict[str, Any], ...] = ()  # {rank, bytes, flops, comm_s, hidden_s, compute_s}
+    comm_by_link: tuple[int, int] | None = None  # (intra_node, inter_node) bytes, counted
+    comm_expected_by_link: tuple[int, int] | None = None  # the same split of the closed form
+    comm_ranks_per_node: tuple[int, ...] = ()  # per node
     rel_l2: float | None = None
     max_abs: float | None = None
     tolerance: float | None = None
@@ -198,6 +201,10 @@ def row_from_record(run: Run, record: Record) -> Row:
         if comm else {},
         comm_imbalance=comm.imbalance if comm else None, comm_overlap=comm.overlap_fraction if comm else None,
         comm_per_rank=tuple(r.model_dump() for r in comm.per_rank or ()) if comm else (),
+        comm_by_link=(comm.by_link.intra_node, comm.by_link.inter_node) if comm and comm.by_link else None,
+        comm_expected_by_link=(comm.expected_bytes_by_link.intra_node, comm.expected_bytes_by_link.inter_node)
+        if comm and comm.expected_bytes_by_link else None,
+        comm_ranks_per_node=tuple(comm.topology.ranks_per_node) if comm and comm.topology else (),
         rel_l2=error.rel_l2 if error else None, max_abs=error.max_abs if error else None,
         tolerance=error.tolerance if error else None, rows_checked=error.rows_checked if error else None,
         flops=record.flops, flops_per_s=record.flops_per_s,

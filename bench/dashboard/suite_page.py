@@ -16,6 +16,7 @@ from bench.dashboard.views_comm_balance import balance_figures
 from bench.dashboard.views_correctness import correctness_figure
 from bench.dashboard.views_history import HistorySeries, history_figure
 from bench.dashboard.views_inputs import inputs_figure
+from bench.dashboard.views_links import links_figure
 from bench.dashboard.views_memory import memory_figure, peak_figure
 from bench.dashboard.views_roofline import decode_figure, roofline_figure
 from bench.dashboard.views_selection import selection_share_figure, time_recall_figure
@@ -92,6 +93,7 @@ MISSING = {
     "speedup": "speedup: needs dense (or sdpa) and another implementation on the same cases",
     "memory": "memory: no record with a memory figure or an unmeasured case",
     "comm": "communication: no record counted bytes (distributed implementations, world_size > 1)",
+    "links": "bytes between nodes: no record's ranks ran on more than one node",
     "breakeven": "break-even: needs a density sweep (2 densities or more) with dense or sdpa",
     "peak": "fraction of peak: no record carries a hardware peak",
     "history": "history: measured at one commit only",
@@ -106,6 +108,7 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         ("speedup", lambda: _one(speedup_figure(rows))),
         ("memory", lambda: _one(memory_figure(rows, colours))),
         ("comm", lambda: _one(comm_figure(rows, colours))),
+        ("links", lambda: _one(links_figure(rows, colours))),
         ("balance", lambda: balance_figures(rows, colours)),
         ("breakeven", lambda: breakeven_figures(rows, colours)),
         ("peak", lambda: _one(peak_figure(rows, colours))),

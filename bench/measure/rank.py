@@ -38,6 +38,7 @@ from bench.measure.reference import tolerance_for
 from bench.measure.steps import call_inputs, describe_failure, policy_of, prepare_call, timed_step
 from bench.measure.task import Task
 from bench.measure.timing import CpuTimer, measure
+from bench.measure.topology import links, node_label, node_of_rank
 from bench.results.records import Record
 from bench.sharding import DistributedImpl, Shard
 from bench.spec.case import Case
@@ -77,6 +78,9 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
 
     try:
         enter("inputs")
+        out["node"] = node_label()
+        # Before prepare: cp_usp places its Ulysses groups by the ranks' nodes.
+        comm.node_of_rank = node_of_rank(ctx.control, ctx.world_size, out["node"])
         pattern = case.make_pattern()
         q, k, v, grad_out = call_inputs(case)
         with use(comm):
@@ -110,6 +114,7 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
                 torch.cuda.synchronize()
             counted = comm.snapshot()
             out["levels"] = comm.levels_snapshot()
+            out["peers"] = {str(peer): sent for peer, sent in comm.peers_snapshot().items()}
 
             enter("timing")
             policy = policy_of(task.measure)
@@ -143,8 +148,10 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
         out["base"] = {"density": pattern.density, "block_density": pattern.block_density(case.block_size),
                        "flops": flop_counts.useful_flops(case, pattern.nnz),
                        "flops_dense": flop_counts.dense_flops(case)}
-        out["expected_bytes"] = impl.expected_comm_bytes(case)
-        out["expected_by_level"] = impl.expected_comm_bytes_by_level(case)
+        with use(comm):  # the closed forms see the topology the call saw (cp_usp's default degree)
+            out["expected_bytes"] = impl.expected_comm_bytes(case)
+            out["expected_by_level"] = impl.expected_comm_bytes_by_level(case)
+            out["expected_matrix"] = impl.expected_comm_matrix(case)
     return {**out, "status": "ok"}
 
 
@@ -292,7 +299,7 @@ def assemble_record(task: Task, parts: list[dict[str, Any]], backend: str, start
     time_s = root["time_s"]
     flops = root["base"]["flops"]
     comm = comm_info(parts, backend, root.get("expected_bytes"), root.get("expected_by_level"),
-                     str(task.case.get("device")))
+                     str(task.case.get("device")), root.get("expected_matrix"))
     return Record(**base, **root["base"], status="incorrect" if root["problem"] else "ok", reason=root["problem"],
                   time_s=time_s, setup_s=max(p["setup_s"] for p in parts), setup=root.get("setup"), memory=memory,
                   comm=comm, error=root["error"],
@@ -326,7 +333,8 @@ def rank_rows(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def comm_info(parts: list[dict[str, Any]], backend: str, expected: int | None,
-              expected_by_level: dict[str, int] | None = None, device: str = "cpu") -> dict[str, Any]:
+              expected_by_level: dict[str, int] | None = None, device: str = "cpu",
+              expected_matrix: list[list[int]] | None = None) -> dict[str, Any]:
     """The record's `comm`: bytes per rank, per op and per level for one step, op times from the slowest rank,
     each rank's share (per_rank), the imbalance of useful FLOPs and the measured overlap fraction.
 
@@ -363,4 +371,6 @@ def comm_info(parts: list[dict[str, Any]], backend: str, expected: int | None,
             "expected_bytes": expected, "world_size": world, "bytes_per_rank": per_rank, "per_rank": ranks,
             "imbalance": imbalance(flops) if all(f is not None for f in flops) else None,
             "overlap_fraction": sum(r["hidden_s"] for r in ranks) / comm_total if comm_total > 0 else None,
-            "overlap_method": "cuda_events" if device.startswith("cuda") else "host", "by_level": by_level}
+            "overlap_method": "cuda_events" if device.startswith("cuda") else "host", "by_level": by_level,
+            **links(parts, expected_matrix)}
+

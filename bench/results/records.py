@@ -98,6 +98,24 @@ class CommLevel(BaseModel):
     expected_bytes: int | None = None  # the implementation's closed form for the level
 
 
+class Topology(BaseModel):
+    """Where a distributed pair's ranks ran: nodes in order of first appearance over the ranks."""
+
+    model_config = _STRICT
+    nodes: int
+    ranks_per_node: list[int]  # per node
+    node_of_rank: list[int]  # per rank: its node's index
+    node_names: list[str] | None = None  # host names (with torchrun's node rank), or BENCH_NODE
+
+
+class LinkBytes(BaseModel):
+    """Bytes sent between ranks on one node and between ranks on different nodes."""
+
+    model_config = _STRICT
+    intra_node: int
+    inter_node: int
+
+
 class CommInfo(BaseModel):
     model_config = _STRICT
     backend: Literal["gloo", "nccl", "model"]
@@ -112,6 +130,9 @@ class CommInfo(BaseModel):
     overlap_fraction: float | None = None  # sum of hidden_s / sum of comm_s over ranks, measured
     overlap_method: Literal["host", "cuda_events"] | None = None  # how hidden_s was measured (bench.comm)
     by_level: dict[str, CommLevel] | None = None
+    topology: Topology | None = None
+    by_link: LinkBytes | None = None  # counted: each rank's bytes per peer, split by the peers' nodes
+    expected_bytes_by_link: LinkBytes | None = None  # the implementation's closed form, same split
 
 
 class GradError(BaseModel):

@@ -26,6 +26,8 @@ from bench.results.records import SCHEMA_VERSION, Record, RunInfo
 
 RUN_JSON = "run.json"
 RECORDS = "records.jsonl"
+# A shard of a run (bench run --shard I/N) writes its own part, records.<I>of<N>.jsonl; a run is all its parts.
+PART_RE = re.compile(r"^records\.(\d+)of(\d+)\.jsonl$")
 # The one directory of the store that is not a run: `bench calibrate`'s rates per fingerprint (bench.measure.calibrate).
 CALIBRATION_DIR = "calibration"
 RUN_ID_RE = re.compile(r"^\d{8}T\d{6}-[0-9a-z]+-[a-z0-9_-]+$")
@@ -192,12 +194,44 @@ class Run:
     warnings: list[str] = field(default_factory=list)
 
 
+def part_name(index: int, count: int) -> str:
+    return f"records.{index}of{count}.jsonl"
+
+
+def records_files(run_dir: Path) -> list[Path]:
+    """Every records file of a run: records.jsonl, then the shards' parts in (count, index) order."""
+    run_dir = Path(run_dir)
+    parts = []
+    for path in run_dir.glob("records.*of*.jsonl"):
+        match = PART_RE.match(path.name)
+        if match:
+            parts.append(((int(match[2]), int(match[1])), path))
+    main = [run_dir / RECORDS] if (run_dir / RECORDS).exists() else []
+    return main + [path for _, path in sorted(parts)]
+
+
+def read_run_records(run_dir: Path) -> RecordsFile:
+    """The records of every part of a run as one list, one per (case, impl): where two parts hold the same pair
+    (a shard resubmitted while its first process still ran), the first file's record is kept, with a warning."""
+    merged = RecordsFile([])
+    seen: set[tuple[str, str]] = set()
+    for path in records_files(run_dir):
+        parsed = read_records(path)
+        merged.warnings.extend(parsed.warnings)
+        for record in parsed.records:
+            key = (record.case_id, record.impl)
+            if key in seen:
+                merged.warnings.append(f"{path}: a second record of ({record.case_id}, {record.impl}); the first "
+                                       "is kept")
+                continue
+            seen.add(key)
+            merged.records.append(record)
+    return merged
+
+
 def load_run(run_dir: Path) -> Run:
-    """A run directory, validated: run.json and every complete line of records.jsonl."""
+    """A run directory, validated: run.json and every complete line of its records files (all shards' parts)."""
     run_dir = Path(run_dir)
     info = read_run_info(run_dir)
-    records_path = run_dir / RECORDS
-    if records_path.exists():
-        parsed = read_records(records_path)
-        return Run(run_dir, info, parsed.records, parsed.warnings)
-    return Run(run_dir, info, [], [])
+    parsed = read_run_records(run_dir)
+    return Run(run_dir, info, parsed.records, parsed.warnings)

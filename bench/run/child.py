@@ -153,6 +153,14 @@ class Child:
 # --- the child's side --------------------------------------------------------------------------------------
 
 
+def start_detached(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    """A process in a session of its own that outlives its parent (no parent-death signal): a local shard of
+    `bench submit`, which `--no-wait` leaves running. Output to `log`; killed as a group by its pid."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphans if the runner is killed)."""
     if not sys.platform.startswith("linux"):

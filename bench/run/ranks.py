@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import registry
+from bench.errors import BadInput
 from bench.measure.steps import describe_failure
 from bench.measure.task import Task
 from bench.results.records import Record
@@ -120,10 +121,24 @@ def _start_ranks(task: Task, plugins: list[tuple[str, str | None]], timeout_s: f
     world = int(task.case["world_size"])
     env = {"OMP_NUM_THREADS": str(threads_per_rank(world)),
            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}  # every rank is on this host
+    per_node = simulated_ranks_per_node()
     return [_Rank(rank, Child(RANK_MODULE, ["--rank", str(rank), "--store-port", str(port), "--timeout",
                                            str(timeout_s), "--plugins", json.dumps(plugins),
-                                           "--task", task.model_dump_json()], env=env, log_path=log_path))
+                                           "--task", task.model_dump_json()],
+                              env=env if per_node is None else {**env, "BENCH_NODE": f"node{rank // per_node}"},
+                              log_path=log_path))
             for rank in range(world)]
+
+
+def simulated_ranks_per_node() -> int | None:
+    """BENCH_RANKS_PER_NODE=K: the ranks started here declare themselves K to a node (rank r on node r // K), so
+    that a one-machine run counts the bytes a K-per-node placement would send between nodes (docs/cluster.md)."""
+    text = os.environ.get("BENCH_RANKS_PER_NODE")
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise BadInput(f"got {text!r}; a positive integer (ranks per simulated node)", field="BENCH_RANKS_PER_NODE")
+    return int(text)
 
 
 def _watch(ranks: list[_Rank], timeout_s: float) -> str | None:

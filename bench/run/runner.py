@@ -21,7 +21,7 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput
-from bench.measure.env import capture
+from bench.measure.env import capture, git_info
 from bench.measure.task import MeasureSettings, Task
 from bench.results.environment import Calibration
 from bench.results.records import FailureKind, Record, RunInfo, SuiteInfo
@@ -31,14 +31,15 @@ from bench.results.store import (
     RecordWriter,
     create_run_dir,
     drop_torn_tail,
-    read_records,
     read_run_info,
+    read_run_records,
     utc_now,
     write_json_atomic,
 )
-from bench.run import calibration, torchrun
+from bench.run import calibration, shards, torchrun
 from bench.run.console import Reporter, print_summary
-from bench.run.ranks import run_pair
+from bench.run.ranks import run_pair, simulated_ranks_per_node
+from bench.run.shards import PartLock, ShardSpec
 from bench.run.worker import WorkerProcess, WorkerStartError
 from bench.spec.case import Case, resolve_device
 from bench.spec.suite import Suite, load_suite
@@ -52,6 +53,9 @@ class RunOptions:
     out: Path = Path("results")
     resume: Path | None = None
     dry_run: bool = False
+    shard: ShardSpec | None = None  # --shard I/N: this process measures that part of the pairs
+    run_id: str | None = None  # --run-id: the run the shards share
+    rank_group_shards: bool = False  # --rank-group-shards: each world size above 1 a shard of its own, first
 
 
 @dataclass
@@ -125,8 +129,14 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     suite = load_suite(options.suite) if isinstance(options.suite, Path) else options.suite
     impls = select_impls(suite, options.impls)
     pairs = [Pair(case, impl) for case in suite.cases for impl in impls]
+    every_pair = {p.key for p in pairs}
+    if options.shard is not None:
+        splitter = shards.split_rank_groups if options.rank_group_shards else shards.split
+        chosen = splitter([p.case.world_size for p in pairs], options.shard.count)[options.shard.index]
+        pairs = [pairs[i] for i in chosen]
+    simulated_ranks_per_node()  # a bad BENCH_RANKS_PER_NODE stops the run before anything is written
     if options.dry_run:
-        _print_plan(console, suite, impls, options.device)
+        _print_plan(console, suite, impls, options.device, len(pairs) if options.shard else None)
         return 0
 
     session = torchrun.Session(suite.measure.timeout_s, _backend(suite, options.device) == "cuda") \
@@ -134,12 +144,21 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     if session is not None and not session.leader:
         return session.follow()  # the leader (rank 0) announces each pair and writes every record
 
-    if options.resume is not None:
+    part_lock: PartLock | None = None
+    records_file = RECORDS
+    if options.shard is not None:
+        run_dir = _join_shard_run(options, suite, console)
+        part_lock = PartLock(run_dir, options.shard)  # refused while another process writes this part
+        records_file = options.shard.part
+        existing = _read_existing(run_dir, records_file, console)
+    elif options.resume is not None:
         run_dir, existing = _open_for_resume(options.resume, suite, console)
     else:
         run_dir, existing = _create_run(options, suite, console), []
     done = {(r.case_id, r.impl) for r in existing}
     todo = [p for p in pairs if p.key not in done]
+    mine = {p.key for p in pairs}
+    existing = [r for r in existing if (r.case_id, r.impl) in mine]  # a shard reports on its own pairs
 
     labels = {c.case_id: c.label for c in suite.cases}
     plugins = plugin_specs(suite)
@@ -149,7 +168,7 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     new_records: list[Record] = []
     measurer = PairMeasurer(plugins, run_dir / "worker.log", suite.measure.timeout_s)
     try:
-        with RecordWriter(run_dir / RECORDS) as writer:
+        with RecordWriter(run_dir / records_file) as writer:
             for pair in todo:
                 task = task_for(pair, options.device, settings)
                 reporter.start(labels[pair.case.case_id], pair.impl)
@@ -170,9 +189,10 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
         measurer.close()
         if session is not None:
             session.finish()
+        if part_lock is not None:
+            part_lock.release()
 
-    info = read_run_info(run_dir)
-    write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json", by_alias=True), "finished_at": utc_now()})
+    _finish(run_dir, every_pair if options.shard is not None else None)
     all_records = existing + new_records
     print_summary(console, all_records, labels, impls)
     console.print(f"results: {run_dir}")
@@ -191,7 +211,47 @@ def _build_ahead(impls: list[str], todo: list[Pair], device: str | None, console
                               "(before the first pair; cached for later runs)")
 
 
+def _finish(run_dir: Path, every_pair: set[tuple[str, str]] | None) -> None:
+    """Set finished_at: at once for a whole run; for a shard once every part together holds every pair."""
+    with shards.run_lock(run_dir):
+        if every_pair is not None:
+            held = {(r.case_id, r.impl) for r in read_run_records(run_dir).records}
+            if not every_pair <= held:
+                return
+        info = read_run_info(run_dir)
+        write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json", by_alias=True),
+                                               "finished_at": utc_now()})
+
+
+def _join_shard_run(options: RunOptions, suite: Suite, console: Console) -> Path:
+    """The shards' shared run directory: made by the first shard (run.json under the run's lock), checked by
+    the others against the suite."""
+    if options.resume is not None:
+        run_dir = options.resume
+        if not (run_dir / RUN_JSON).is_file():
+            raise BadInput("not a run directory (no run.json)", file=str(run_dir), field="--resume")
+    else:
+        env_commit = git_info().get("commit") if options.run_id is None else None
+        run_id = shards.check_run_id(options.run_id, suite.name) if options.run_id is not None \
+            else shards.derived_run_id(suite.name, env_commit)
+        run_dir = options.out / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+    with shards.run_lock(run_dir):
+        if not (run_dir / RUN_JSON).exists():
+            _write_run_info(options, suite, console, run_dir.name, run_dir)
+    _check_same_suite(run_dir, suite, "--run-id" if options.resume is None else "--resume")
+    return run_dir
+
+
 def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
+    commit = git_info().get("commit") or "nogit"
+    run_id, run_dir = create_run_dir(options.out, suite.name, commit)
+    _write_run_info(options, suite, console, run_id, run_dir)
+    (run_dir / RECORDS).touch()
+    return run_dir
+
+
+def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id: str, run_dir: Path) -> None:
     backend = _backend(suite, options.device)
     env = capture(backend=backend)
     if suite.measure.calibrate:
@@ -202,14 +262,10 @@ def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
         env = env.model_copy(update={"calibration": Calibration.model_validate(calibrated)})
         if calibrated.get("error"):
             console.print(f"[yellow]warning:[/] {calibrated['error']}; peaks fall back to datasheets")
-    commit = env.git.commit or "nogit"
-    run_id, run_dir = create_run_dir(options.out, suite.name, commit)
     suite_file = str(suite.path) if suite.path else None
     info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=suite_file, content=suite.content),
                    started_at=utc_now(), finished_at=None, env=env, command=sys.argv[1:] or None)
     write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json", by_alias=True))
-    (run_dir / RECORDS).touch()
-    return run_dir
 
 
 def _backend(suite: Suite, device_override: str | None) -> str:
@@ -217,34 +273,34 @@ def _backend(suite: Suite, device_override: str | None) -> str:
     return "cuda" if "cuda" in devices else "cpu"
 
 
-def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
+def _check_same_suite(run_dir: Path, suite: Suite, option: str) -> None:
     info = read_run_info(run_dir)
     if info.source != "measured":
         raise BadInput(f"a {info.source} run (bench model); only measured runs can be resumed",
-                       file=str(run_dir), field="--resume")
+                       file=str(run_dir), field=option)
     if info.suite.name != suite.name or info.suite.content != suite.content:
-        raise BadInput(f"the run was made from suite {info.suite.name!r} with other content; resume it with the "
-                       "same suite file", file=str(run_dir), field="--resume")
-    records_path = run_dir / RECORDS
-    if records_path.exists():
-        torn = drop_torn_tail(records_path)
-        if torn:
-            console.print(f"[yellow]warning:[/] {records_path}: dropped a torn last line ({torn} bytes); "
-                          "its (case, impl) will be measured again")
-        existing = read_records(records_path).records
-    else:
-        existing = []
-    # Keep one record per pair if an earlier resume raced; the first written wins.
-    seen: set[tuple[str, str]] = set()
-    unique = []
-    for r in existing:
-        if (r.case_id, r.impl) not in seen:
-            seen.add((r.case_id, r.impl))
-            unique.append(r)
-    return run_dir, unique
+        raise BadInput(f"the run was made from suite {info.suite.name!r} with other content than {suite.name!r} "
+                       "here; resume or join it with the same suite file", file=str(run_dir), field=option)
 
 
-def _print_plan(console: Console, suite: Suite, impls: list[str], device: str | None) -> None:
+def _read_existing(run_dir: Path, own: str, console: Console) -> list[Record]:
+    """Every part's records (one per pair), after dropping a torn last line of this process's own part (a torn
+    line of another part is a write still under way, and is read as not yet there)."""
+    torn = drop_torn_tail(run_dir / own)
+    if torn:
+        console.print(f"[yellow]warning:[/] {run_dir / own}: dropped a torn last line ({torn} bytes); "
+                      "its (case, impl) will be measured again")
+    return read_run_records(run_dir).records
+
+
+def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
+    _check_same_suite(run_dir, suite, "--resume")
+    # One record per pair over every part; if an earlier resume raced, the first written wins.
+    return run_dir, _read_existing(run_dir, RECORDS, console)
+
+
+def _print_plan(console: Console, suite: Suite, impls: list[str], device: str | None,
+                shard_pairs: int | None = None) -> None:
     table = Table(title=f"suite {suite.name}: {len(suite.cases)} cases x {len(impls)} implementations")
     table.add_column("#", justify="right")
     table.add_column("case_id", no_wrap=True)
@@ -258,4 +314,5 @@ def _print_plan(console: Console, suite: Suite, impls: list[str], device: str | 
         why = impl.unavailable()
         avail.append(f"{name} ({'available' if why is None else 'unavailable: ' + why})")
     console.print("implementations: " + "; ".join(avail))
-    console.print(f"{len(suite.cases) * len(impls)} (case, impl) pairs; nothing was run (--dry-run)")
+    mine = f" ({shard_pairs} in this shard)" if shard_pairs is not None else ""
+    console.print(f"{len(suite.cases) * len(impls)} (case, impl) pairs{mine}; nothing was run (--dry-run)")
