@@ -110,6 +110,10 @@ class PairResult:
     time_advisory: bool = False  # one run per side: the time verdict is shown, never a regression
 
     @property
+    def key(self) -> tuple[str, str]:
+        return self.case_id, self.impl
+
+    @property
     def slower_regression(self) -> bool:
         return self.verdict == cs.SLOWER and self.time_comparable and not self.time_advisory
 
@@ -333,6 +337,10 @@ def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRES
         if pair.time is not None:
             pair.verdict = cs.verdict(pair.time, pair.q_value if pair.q_value is not None else 1.0,
                                       threshold_pct / 100, alpha)
+            busy = cs.busy_side([("BASE", base.records[pair.key]), ("NEW", new.records[pair.key])])
+            if cs.refuse_busy(pair.verdict, busy) == cs.NOISY:
+                pair.verdict = cs.NOISY
+                pair.notes.append(f"NOISY: {busy}; the time change is not called")
 
     only_base = [(c, i, pooled_status(r)) for (c, i), r in base.records.items() if (c, i) not in new.records]
     only_new = [(c, i, pooled_status(r)) for (c, i), r in new.records.items() if (c, i) not in base.records]

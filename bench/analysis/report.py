@@ -14,7 +14,8 @@ from bench.analysis import stats as cs
 from bench.analysis.compare import Comparison, PairResult, iter_changes
 from bench.format import format_seconds
 
-VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow"}
+VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow",
+                 cs.NOISY: "yellow"}
 KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow"}
 
 

@@ -24,11 +24,15 @@ from bench.format import format_seconds
 from bench.results.records import Record
 from bench.terminal import STATUS_STYLE
 
+BUSY_MARK = "!"  # a time measured while the machine was busy
+
 
 def describe(record: Record) -> str:
     """One line for a finished (case, impl)."""
     if record.status == "ok" and record.time_s:
         extra = " (interpreter)" if record.interpreter else ""
+        if record.busy and record.contention is not None:
+            extra += f" (busy: {record.contention.reason})"
         return f"ok {format_seconds(record.time_s.median)}{roof(record)}{extra}"
     return f"{record.status}: {record.reason}"
 
@@ -101,7 +105,7 @@ def summary_table(records: Iterable[Record], case_labels: dict[str, str], impls:
     table.add_column("case", no_wrap=True)
     for name in impls:
         table.add_column(escape(name), justify="right")
-    interpreter = False
+    interpreter = busy = False
     for case_id, label in case_labels.items():
         cells = []
         for name in impls:
@@ -109,21 +113,37 @@ def summary_table(records: Iterable[Record], case_labels: dict[str, str], impls:
             if r is None:
                 cells.append("-")
             elif r.status == "ok" and r.time_s:
-                mark = "*" if r.interpreter else ""
+                mark = ("*" if r.interpreter else "") + (BUSY_MARK if r.busy else "")
                 interpreter |= r.interpreter
+                busy |= r.busy
                 cells.append(f"[green]{format_seconds(r.time_s.median)}{mark}[/]")
             else:
                 cells.append(f"[{STATUS_STYLE[r.status]}]{r.status}[/]")
         table.add_row(escape(label), *cells)
-    if interpreter:
-        table.caption = "* Triton interpreter on CPU: correctness only, not kernel speed"
+    captions = ["* Triton interpreter on CPU: correctness only, not kernel speed"] if interpreter else []
+    if busy:
+        captions.append(f"{BUSY_MARK} timed while the machine was busy (record's contention): not to be trusted")
+    table.caption = "; ".join(captions) or None
     return table
+
+
+def busy_line(records: list[Record]) -> str | None:
+    """`3 of 12 measured pairs were timed on a busy machine`, or None when none was."""
+    measured = [r for r in records if r.contention is not None]
+    busy = sum(r.busy for r in measured)
+    if not busy:
+        return None
+    return f"{busy} of {len(measured)} measured pairs were timed on a busy machine (marked {BUSY_MARK}); their times " \
+           "are not to be trusted"
 
 
 def print_summary(console: Console, records: list[Record], case_labels: dict[str, str], impls: list[str]) -> None:
     console.print(summary_table(records, case_labels, impls))
     counts = {s: sum(r.status == s for r in records) for s in STATUS_STYLE}
     console.print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    line = busy_line(records)
+    if line is not None:
+        console.print(f"[yellow]{line}[/]", highlight=False)
     for r in records:
         if r.status in ("failed", "incorrect"):
             console.print(f"[{STATUS_STYLE[r.status]}]{r.status}[/] {escape(r.case_id)} {escape(r.impl)}: "

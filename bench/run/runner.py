@@ -20,9 +20,10 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput
+from bench.measure.contention import machine_load
 from bench.measure.env import capture
 from bench.measure.task import MeasureSettings, Task
-from bench.results.environment import Calibration
+from bench.results.environment import Calibration, LoadAt, RunLoad
 from bench.results.records import FailureKind, Record, RunInfo, SuiteInfo
 from bench.results.store import (
     RECORDS,
@@ -170,7 +171,10 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
             session.finish()
 
     info = read_run_info(run_dir)
-    write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json", by_alias=True), "finished_at": utc_now()})
+    load = {**(info.env.load.model_dump(mode="json") if info.env.load else {}), "end": machine_load()}
+    env = info.env.model_copy(update={"load": RunLoad.model_validate(load)})
+    finished = info.model_copy(update={"env": env}).model_dump(mode="json", by_alias=True)
+    write_json_atomic(run_dir / RUN_JSON, {**finished, "finished_at": utc_now()})
     all_records = existing + new_records
     print_summary(console, all_records, labels, impls)
     console.print(f"results: {run_dir}")
@@ -180,6 +184,7 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
 def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
     backend = _backend(suite, options.device)
     env = capture(backend=backend)
+    env = env.model_copy(update={"load": RunLoad(start=LoadAt.model_validate(machine_load()))})
     if suite.measure.calibrate:
         console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
     dtypes = sorted({c.dtype for c in suite.cases})
