@@ -52,7 +52,7 @@ from bench.measure.steps import (
     Phase,
     call_inputs,
     describe_failure,
-    is_out_of_memory,
+    failure_kind,
     make_inputs,
     no_phase,
     policy_of,
@@ -107,8 +107,7 @@ class PairSession:
     def failed(self, exc: BaseException) -> Record:
         """The failed record of an exception in the current phase (an out-of-memory one says so)."""
         reason, details = describe_failure(self.current, exc)
-        return self._finish(status="failed", reason=reason, details=details,
-                            failure="out_of_memory" if is_out_of_memory(exc) else "error")
+        return self._finish(status="failed", reason=reason, details=details, failure=failure_kind(exc))
 
     def open(self) -> Record | None:
         """Everything before timing; a final Record when the pair cannot go on, else None."""

@@ -35,7 +35,7 @@ from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, row
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak
 from bench.measure.reference import tolerance_for
-from bench.measure.steps import call_inputs, describe_failure, policy_of, prepare_call, timed_step
+from bench.measure.steps import call_inputs, describe_failure, failure_kind, policy_of, prepare_call, timed_step
 from bench.measure.task import Task
 from bench.measure.timing import CpuTimer, measure
 from bench.results.records import Record
@@ -136,7 +136,7 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
     except Exception as exc:
         reason, details = describe_failure(current, exc)
         return {**out, "status": "failed", "reason": reason, "details": details, "phase": current,
-                "comm_error": _is_comm_error(exc)}
+                "comm_error": _is_comm_error(exc), "failure": failure_kind(exc)}
     out["device"] = device_description(ctx.device)
     out["threads"] = torch.get_num_threads()
     if ctx.rank == 0:
@@ -276,7 +276,8 @@ def assemble_record(task: Task, parts: list[dict[str, Any]], backend: str, start
     failure = primary_failure(parts)
     if failure is not None:
         return Record(**base, status="failed", reason=f"rank {failure['rank']}: {failure['reason']}",
-                      details=failure.get("details"), setup_s=failure.get("setup_s"))
+                      details=failure.get("details"), setup_s=failure.get("setup_s"),
+                      failure=failure.get("failure", "error"))
     if any(p["status"] == "skipped" for p in parts):
         return Record(**base, status="skipped", reason=next(p["reason"] for p in parts if p["status"] == "skipped"))
     root = parts[0]
