@@ -65,15 +65,12 @@ class Side:
 def make_side(label: str, runs: list[Run], what: str) -> Side:
     records: dict[Key, list[Record]] = {}
     modelled: list[Record] = []
-    for run in runs:
-        seen: set[Key] = set()
+    for run in runs:  # one record per pair and run (bench.results.store.first_per_pair)
         for record in run.records:
-            key = (record.case_id, record.impl)
             if run.info.source == "modelled" or record.source == "modelled":
                 modelled.append(record)
-            elif key not in seen:  # a resumed run may hold a pair twice; its first record counts, as in `run`
-                seen.add(key)
-                records.setdefault(key, []).append(record)
+            else:
+                records.setdefault((record.case_id, record.impl), []).append(record)
     if not records and modelled:
         raise BadInput(f"{what} {label!r} holds only modelled records (from `bench model`), not measurements; "
                        "compare compares measurements. Compare two measured runs instead")

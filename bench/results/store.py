@@ -192,12 +192,27 @@ class Run:
     warnings: list[str] = field(default_factory=list)
 
 
+def first_per_pair(records: list[Record]) -> tuple[list[Record], int]:
+    """One record per (case, impl), the first written: the one rule for a run that holds a pair twice (a resume
+    that raced). Every reader goes through `load_run`, and `bench run --resume` through this. (kept, dropped)"""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for r in records:
+        if (r.case_id, r.impl) not in seen:
+            seen.add((r.case_id, r.impl))
+            kept.append(r)
+    return kept, len(records) - len(kept)
+
+
 def load_run(run_dir: Path) -> Run:
-    """A run directory, validated: run.json and every complete line of records.jsonl."""
+    """A run directory, validated: run.json and every complete line of records.jsonl, one record per pair."""
     run_dir = Path(run_dir)
     info = read_run_info(run_dir)
     records_path = run_dir / RECORDS
     if records_path.exists():
         parsed = read_records(records_path)
-        return Run(run_dir, info, parsed.records, parsed.warnings)
+        records, dropped = first_per_pair(parsed.records)
+        warnings = parsed.warnings + ([f"{records_path}: {dropped} later records of pairs already recorded were "
+                                       "set aside (the first record of a pair counts)"] if dropped else [])
+        return Run(run_dir, info, records, warnings)
     return Run(run_dir, info, [], [])

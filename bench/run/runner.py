@@ -31,6 +31,7 @@ from bench.results.store import (
     RecordWriter,
     create_run_dir,
     drop_torn_tail,
+    first_per_pair,
     read_records,
     read_run_info,
     utc_now,
@@ -225,13 +226,7 @@ def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Pat
         existing = read_records(records_path).records
     else:
         existing = []
-    # Keep one record per pair if an earlier resume raced; the first written wins.
-    seen: set[tuple[str, str]] = set()
-    unique = []
-    for r in existing:
-        if (r.case_id, r.impl) not in seen:
-            seen.add((r.case_id, r.impl))
-            unique.append(r)
+    unique, _ = first_per_pair(existing)  # an earlier resume that raced may have written a pair twice
     return run_dir, unique
 
 
