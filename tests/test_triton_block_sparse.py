@@ -25,14 +25,14 @@ from bench.patterns import Causal, Pattern, make_pattern
 from bench.registry import get
 from bench.run.console import summary_table
 from bench.spec.case import Case
-from impls.triton_block_sparse import launch, tables
+from impls.triton_block_sparse import launch, mode, tables
 from impls.triton_block_sparse.launch import TileConfig
 from tests.conftest import ROOT
 from tests.pattern_zoo import BUILTIN, valid_fields
 
 FIELDS = dict(window=12, density=0.3, block_size=16, dilation=3, global_tokens=2, seed=5)
 N = 75  # a multiple of no tile side: every kernel meets partial tiles at the end of the sequence
-CPU_ONLY = pytest.mark.skipif(not launch.uses_interpreter(),
+CPU_ONLY = pytest.mark.skipif(not mode.uses_interpreter(),
                               reason="this process runs compiled kernels; these tests use the interpreter "
                                      "(run them on CPU or with TRITON_INTERPRET=1)")
 
@@ -521,7 +521,7 @@ def test_unsupported_cases_say_why(monkeypatch):
     assert "head_dim 16..128 (got 8)" in impl.unsupported(Case(head_dim=8, device="cpu"))
     assert "head_dim 16..128 (got 256)" in impl.unsupported(Case(head_dim=256, device="cpu"))
     assert "at most 65535" in impl.unsupported(Case(batch=2, heads=40000, device="cpu"))
-    monkeypatch.setattr(launch, "uses_interpreter", lambda: False)
+    monkeypatch.setattr(mode, "uses_interpreter", lambda: False)
     assert "TRITON_INTERPRET=1" in impl.unsupported(Case(device="cpu"))
     assert impl.unsupported(Case(device="cuda", dtype="bfloat16")) is None
     assert impl.tf32(Case(device="cuda", dtype="float32")) is True
@@ -532,6 +532,6 @@ def test_unsupported_cases_say_why(monkeypatch):
 def test_without_cuda_the_kernels_are_interpreted():
     from triton.runtime.interpreter import InterpretedFunction
 
-    module = launch.kernels()
+    module = mode.kernels()
     assert isinstance(module.attn_fwd, InterpretedFunction)
     assert os.environ.get("TRITON_INTERPRET") == "1"
