@@ -3,6 +3,7 @@ packages (entry points), the Python API runs suites, setup phases are recorded, 
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,43 @@ def test_child_processes_are_started_in_one_place():
     """Only bench/run/child.py starts processes with subprocess.Popen (workers, ranks, calibration)."""
     starters = [str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py") if "Popen(" in p.read_text()]
     assert starters == [str(Path("bench/run/child.py"))]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """bench's modules and what each imports, at module level or inside functions (lazy imports count too)."""
+    def name(p: Path) -> str:
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name(p): p for p in (ROOT / "bench").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {m for m in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if m in files}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in files}
+        graph[module] = deps - {module}
+    return graph
+
+
+def test_no_import_circles_between_modules():
+    """A circle (ab_suite -> runner -> worker -> ab_suite was one) is allowed only as a package and its own
+    modules (an __init__ re-exporting them)."""
+    graph = _import_graph()
+    reach = {m: set(deps) for m, deps in graph.items()}
+    changed = True
+    while changed:  # transitive closure; bench has ~120 modules
+        changed = False
+        for m in reach:
+            more = set().union(*(reach[d] for d in reach[m])) - reach[m]
+            if more:
+                reach[m] |= more
+                changed = True
+    circles = {m for m in reach if m in reach[m]}
+    packages_own = {m for m in circles if any(m == p or m.startswith(p + ".") for p in circles if p in reach[p]
+                                              and (ROOT / p.replace(".", "/") / "__init__.py").exists()
+                                              and m in reach[p] and p in reach[m])}
+    assert not circles - packages_own, sorted(circles - packages_own)
+    assert "bench.run.ab_suite" not in reach["bench.run.ab_suite"]

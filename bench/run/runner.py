@@ -24,7 +24,7 @@ from bench.measure.contention import machine_load
 from bench.measure.env import capture
 from bench.measure.task import MeasureSettings, Task
 from bench.results.environment import Calibration, LoadAt, RunLoad
-from bench.results.records import FailureKind, Record, RunInfo, SuiteInfo
+from bench.results.records import Record, RunInfo, SuiteInfo
 from bench.results.store import (
     RECORDS,
     RUN_JSON,
@@ -40,8 +40,9 @@ from bench.results.store import (
 from bench.run import calibration, torchrun
 from bench.run.console import Reporter, print_summary
 from bench.run.ranks import run_pair
+from bench.run.tasks import Pair, backend_of, failed_record, plugin_specs, select_impls, task_for
 from bench.run.worker import WorkerProcess, WorkerStartError
-from bench.spec.case import Case, resolve_device
+from bench.spec.case import resolve_device
 from bench.spec.suite import Suite, load_suite
 
 
@@ -53,44 +54,6 @@ class RunOptions:
     out: Path = Path("results")
     resume: Path | None = None
     dry_run: bool = False
-
-
-@dataclass
-class Pair:
-    case: Case  # as written in the suite (device may be "auto")
-    impl: str
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.case.case_id, self.impl)
-
-
-def select_impls(suite: Suite, wanted: list[str]) -> list[str]:
-    if not wanted:
-        return list(suite.impls)
-    known = registry.names()
-    for name in wanted:
-        if name not in known:
-            raise BadInput(f"got {name!r}; known implementations: {', '.join(sorted(known))}", field="--impl")
-    return list(dict.fromkeys(wanted))
-
-
-def resolved(case: Case, device_override: str | None) -> Case:
-    return case.with_device(resolve_device(device_override or case.device))
-
-
-def failed_record(pair: Pair, reason: str, started: str, kind: FailureKind) -> Record:
-    return Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(), status="failed",
-                  reason=reason, started_at=started, failure=kind)
-
-
-def task_for(pair: Pair, device: str | None, settings: MeasureSettings) -> Task:
-    return Task.of(resolved(pair.case, device), pair.impl, settings, written=pair.case)
-
-
-def plugin_specs(suite: Suite) -> list[tuple[str, str | None]]:
-    """(spec, directory it is relative to) of each plugin, as children load them."""
-    return [(spec, str(suite.path.parent) if suite.path else None) for spec in suite.plugins]
 
 
 class PairMeasurer:
@@ -130,7 +93,7 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
         _print_plan(console, suite, impls, options.device)
         return 0
 
-    session = torchrun.Session(suite.measure.timeout_s, _backend(suite, options.device) == "cuda") \
+    session = torchrun.Session(suite.measure.timeout_s, backend_of(suite, options.device) == "cuda") \
         if torchrun.launched() else None
     if session is not None and not session.leader:
         return session.follow()  # the leader (rank 0) announces each pair and writes every record
@@ -183,7 +146,7 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
 
 
 def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
-    backend = _backend(suite, options.device)
+    backend = backend_of(suite, options.device)
     env = capture(backend=backend)
     env = env.model_copy(update={"load": RunLoad(start=LoadAt.model_validate(machine_load()))})
     if suite.measure.calibrate:
@@ -202,11 +165,6 @@ def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
     write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json", by_alias=True))
     (run_dir / RECORDS).touch()
     return run_dir
-
-
-def _backend(suite: Suite, device_override: str | None) -> str:
-    devices = {resolve_device(device_override or c.device) for c in suite.cases}
-    return "cuda" if "cuda" in devices else "cpu"
 
 
 def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
