@@ -36,5 +36,6 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "tiny-llama"
         tiny_model(model)
+        name = "tiny-llama (random init, seed 0, scripts/make_tiny_capture.py)"
         sys.exit(main(["capture", str(model), str(TEXT), "-o", str(OUT), "--layers", "1", "--max-tokens", "2048",
-                       "--dtype", "float16", "--name", "tiny-llama (random init, seed 0, scripts/make_tiny_capture.py)"]))
+                       "--dtype", "float16", "--name", name]))
