@@ -12,7 +12,7 @@ from rich.table import Table
 
 from bench.analysis import stats as cs
 from bench.analysis.compare import Comparison, PairResult, iter_changes
-from bench.format import format_seconds
+from bench.format import format_p, format_seconds
 
 VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow",
                  cs.NOISY: "yellow"}
@@ -21,12 +21,6 @@ KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yello
 
 def _ratio(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.3f}"
-
-
-def _p(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.2g}" if x >= 1e-3 else f"{x:.1e}"
 
 
 def _verdict_cell(pair: PairResult) -> str:
@@ -58,8 +52,8 @@ def time_table(comparison: Comparison) -> Table:
         t = pair.time
         interval = "-" if not math.isfinite(t.ci_low) else f"[{t.ci_low:.3g}, {t.ci_high:.3g}]"
         table.add_row(escape(pair.case_id), escape(pair.impl), format_seconds(t.median_base),
-                      format_seconds(t.median_new), _ratio(t.ratio), interval, _p(t.p_value), _p(pair.q_value),
-                      _verdict_cell(pair))
+                      format_seconds(t.median_new), _ratio(t.ratio), interval, format_p(t.p_value),
+                      format_p(pair.q_value), _verdict_cell(pair))
     return table
 
 
