@@ -10,6 +10,7 @@ missing.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     plugins = plugin_specs(suite)
     settings = MeasureSettings(**suite.measure.model_dump(), calibration=read_run_info(run_dir).env.calibration)
     reporter = Reporter(len(todo), console)
+    previous_run_dir = os.environ.get(registry.RUN_DIR_ENV)
+    os.environ[registry.RUN_DIR_ENV] = str(run_dir)  # children inherit it: logs they write belong to the run
     new_records: list[Record] = []
     measurer = PairMeasurer(plugins, run_dir / "worker.log", suite.measure.timeout_s)
     try:
@@ -133,6 +136,10 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
         measurer.close()
         if session is not None:
             session.finish()
+        if previous_run_dir is None:
+            os.environ.pop(registry.RUN_DIR_ENV, None)
+        else:
+            os.environ[registry.RUN_DIR_ENV] = previous_run_dir
 
     info = read_run_info(run_dir)
     load = {**(info.env.load.model_dump(mode="json") if info.env.load else {}), "end": machine_load()}
