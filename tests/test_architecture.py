@@ -102,9 +102,31 @@ def test_no_module_is_over_400_lines():
 
 
 def test_child_processes_are_started_in_one_place():
-    """Only bench/run/child.py starts processes with subprocess.Popen (workers, ranks, calibration)."""
-    starters = [str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py") if "Popen(" in p.read_text()]
+    """Only bench/run/child.py starts processes with subprocess.Popen (workers, ranks, calibration, janitor); only it
+    and the fork server (which must fork, not exec) fork or kill; nothing sends a raw dict down a child's pipe."""
+    def calls(path: Path) -> list[ast.Call]:
+        return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)]
+
+    def dotted(node: ast.AST) -> str:
+        return f"{dotted(node.value)}.{node.attr}" if isinstance(node, ast.Attribute) else getattr(node, "id", "?")
+
+    files = {str(p.relative_to(ROOT)): p for p in (ROOT / "bench").rglob("*.py")}
+    starters = sorted(name for name, p in files.items() if "Popen(" in p.read_text())
     assert starters == [str(Path("bench/run/child.py"))]
+    forking = {name for name, p in files.items()
+               if any(dotted(c.func) in ("os.fork", "os.kill", "os.killpg", "os.forkpty") for c in calls(p))}
+    assert forking == {str(Path("bench/run/child.py")), str(Path("bench/run/forkserver.py"))}, forking
+    def is_raw(arg: ast.expr) -> bool:  # a dict literal, or a model dumped to a dict
+        return isinstance(arg, ast.Dict) or dotted(getattr(arg, "func", arg)).endswith("model_dump")
+
+    raw = [f"{name}:{c.lineno}" for name, p in files.items() if name.startswith(str(Path("bench/run")))
+           for c in calls(p) if dotted(c.func).split(".")[-1] in ("send", "_ask", "close") and c.args
+           and is_raw(c.args[0])]
+    assert not raw, f"raw dicts sent to a child (send a bench.run.messages model): {raw}"
+    from bench.run.child import Child, ChildSide
+
+    for send in (Child.send, ChildSide.send):
+        assert "dict" not in str(send.__annotations__["message"]), send
 
 
 def _import_graph() -> dict[str, set[str]]:
