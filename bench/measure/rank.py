@@ -32,6 +32,7 @@ from bench.comm import Communicator, bus_factor, use
 from bench.errors import Unavailable
 from bench.measure import flops as flop_counts
 from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, rows_only
+from bench.measure.contention import ContentionMeter
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak
 from bench.measure.reference import tolerance_for
@@ -118,7 +119,11 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
                 timer.time_call(step)
             comm.reset()
             timer.own.clear()
+            meter = ContentionMeter()
+            meter.start()
             out["time_s"] = measure(step, replace(policy, warmup=0), timer)
+            meter.stop()
+            out["contention"] = meter.result(ctx.device)
             timed = comm.snapshot()
             n = out["time_s"]["n"]
             for op, stats in counted.items():  # op time (and its hidden part) per step, averaged over the timed steps
@@ -298,6 +303,8 @@ def assemble_record(task: Task, parts: list[dict[str, Any]], backend: str, start
                   time_s=time_s, setup_s=max(p["setup_s"] for p in parts), setup=root.get("setup"), memory=memory,
                   comm=comm, error=root["error"],
                   device=f"{root['device']} x{world} ranks ({backend})", config=config,
+                  contention=next((p["contention"] for p in parts if (p.get("contention") or {}).get("verdict")
+                                   == "busy"), root.get("contention")),  # a busy rank makes the pair busy
                   flops_per_s=flops / time_s["median"] if time_s["median"] > 0 else None)
 
 
