@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from bench.analysis import ab_stats as st
+from bench.analysis.ab_sequential import ImplVerdict, impl_verdict
 from bench.analysis.compare import Change, figure_changes
 from bench.analysis.stats import benjamini_hochberg, busy_side, refuse_busy, seed_for
 from bench.errors import BadInput
@@ -87,6 +88,7 @@ class ABResult:
     only_base: list[tuple[str, str, str]]  # (case_id, impl, status)
     only_new: list[tuple[str, str, str]]
     notes: list[str]
+    impls: list[ImplVerdict] = field(default_factory=list)  # a verdict per implementation across its cases
 
     @property
     def base(self) -> SideRun:
@@ -123,6 +125,9 @@ class ABResult:
                          "threads": m.threads, "cpus": m.cpus, "threshold_pct": self.threshold_pct, "alpha": self.alpha,
                          "confidence": st.CONFIDENCE, "power": st.POWER},
             "pairs": [_pair_json(p) for p in self.pairs],
+            "impls": [{"impl": v.impl, "pairs": v.pairs, "ratio": _num(v.ratio), "p_value": _num(v.p_value),
+                       "verdict": v.verdict, "slower_pairs": v.slower_pairs, "faster_pairs": v.faster_pairs}
+                      for v in self.impls],
             "only_base": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_base],
             "only_new": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_new],
             "notes": self.notes,
@@ -213,7 +218,10 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
     notes = _notes(measurement, pairs, threshold, alpha, len(tested))
-    return ABResult(measurement, threshold_pct, alpha, pairs, only_base, only_new, notes)
+    impls = [v for name in dict.fromkeys(p.impl for p in pairs)
+             if (v := impl_verdict(name, [(p.test, p.verdict, p.busy is not None) for p in pairs
+                                          if p.impl == name and p.test is not None], threshold, alpha)) is not None]
+    return ABResult(measurement, threshold_pct, alpha, pairs, only_base, only_new, notes, impls)
 
 
 def check_levels(threshold_pct: float, alpha: float) -> None:

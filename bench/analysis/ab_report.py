@@ -152,6 +152,9 @@ def summary_line(result: ABResult) -> str:
     outcome = f"REGRESSION in {regressions} pairs" if regressions else "no regression"
     if improvements:
         outcome += f", {improvements} improved"
+    impls = ", ".join(f"{v.impl} {v.verdict} ({pct(v.ratio)})" for v in result.impls)
+    if impls:
+        parts.append(f"per implementation: {impls}")
     return f"{outcome} - " + "; ".join(parts)
 
 
