@@ -45,3 +45,24 @@ def test_the_summary_fits_the_width_and_keeps_every_cell_whole(width, terminal):
     assert cells.count("1.23 ms") == 3 * 5
     if width >= 200:  # wide enough for one table
         assert sum(ln.startswith("┏") for ln in lines) == 1
+
+
+@pytest.mark.parametrize("width", [80, 100, 200])
+def test_compare_keeps_every_column_at_any_width(tmp_path, capsys, monkeypatch, width):
+    """The case column folds; ratio, interval, p, q and verdict are never cut or dropped."""
+    from bench.cli import main
+    from tests.test_compare import _mixed_scenario
+
+    base, new = _mixed_scenario(tmp_path)
+    monkeypatch.setenv("COLUMNS", str(width))
+    main(["compare", str(base), str(new)])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert all(cell_len(ln) <= width for ln in lines if ln[:1] in "┏┃┡│└├") and "…" not in out
+    for figure in ("1.300", "0.700", "1.7e-07", "[1.28, 1.32]", "SLOWER", "FASTER", "SAME", "AMBIGUOUS",
+                   "ok -> incorrect"):  # whole, on one line each
+        assert any(figure in ln for ln in lines), figure
+    if width >= 200:  # one row per pair, every column
+        header = next(ln for ln in lines if "ratio" in ln and "verdict" in ln)
+        for column in ("case", "impl", "base", "new", "ratio", "interval", "p", "q", "verdict"):
+            assert f" {column} " in header, (column, header)
