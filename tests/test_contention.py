@@ -168,3 +168,17 @@ def test_a_run_beside_busy_processes_marks_its_pairs_busy(tmp_path, busy):
     assert f"{len(measured)} of {len(measured)} measured pairs were timed on a busy machine" in proc.stdout
     info = json.loads((run_dir / "run.json").read_text())
     assert set(info["env"]["load"]) == {"start", "end"}
+
+
+def test_the_dashboards_mark_busy_records(tmp_path):
+    from bench.dashboard.data import rows_from_runs
+    from bench.dashboard.figures import provenance, row_hover
+    from bench.results.store import load_run
+
+    samples = np.full(5, 1e-3)
+    run = load_run(write_run(tmp_path, commit=commit_id(1), records=[busy_record("c", samples, "busy"),
+                                                                     busy_record("d", samples, "quiet")]))
+    busy, quiet = rows_from_runs([run])
+    assert busy.busy == "CPU pressure 70% (>= 20%)" and quiet.busy is None
+    assert "BUSY: timed on a busy machine" in row_hover(busy) and "BUSY" not in row_hover(quiet)
+    assert "1 records timed on a busy machine" in provenance([busy, quiet]).text()
