@@ -153,7 +153,8 @@ def test_a_run_beside_busy_processes_marks_its_pairs_busy(tmp_path, busy):
             "name": "contention", "impls": ["dense", "cp_ring"],  # one pair in the worker, one over 2 ranks
             "defaults": {"heads": 2, "head_dim": 32, "seq_len": 256, "device": "cpu"},
             "sweep": {"world_size": [1, 2]},
-            "measure": {"warmup": 1, "repeat": 5, "max_time_s": 0.2, "memory": "worker", "check": False}})
+            "measure": {"warmup": 1, "repeat": 5, "max_time_s": 0.2, "memory": "worker", "check": False,
+                        "wait_for_quiet_s": 0.5}})
         proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"), env={"COLUMNS": "200"})
     finally:
         for p in spinners:
@@ -165,6 +166,7 @@ def test_a_run_beside_busy_processes_marks_its_pairs_busy(tmp_path, busy):
     assert {("dense", 1), ("cp_ring", 2)} <= {(r["impl"], r["params"]["world_size"]) for r in measured}
     for r in measured:
         assert r["contention"]["verdict"] == "busy", r["contention"]
+    assert next(r for r in measured if r["impl"] == "dense")["contention"]["waited_s"] is not None
     assert f"{len(measured)} of {len(measured)} measured pairs were timed on a busy machine" in proc.stdout
     info = json.loads((run_dir / "run.json").read_text())
     assert set(info["env"]["load"]) == {"start", "end"}
@@ -182,3 +184,41 @@ def test_the_dashboards_mark_busy_records(tmp_path):
     assert busy.busy == "CPU pressure 70% (>= 20%)" and quiet.busy is None
     assert "BUSY: timed on a busy machine" in row_hover(busy) and "BUSY" not in row_hover(quiet)
     assert "1 records timed on a busy machine" in provenance([busy, quiet]).text()
+
+
+class Clock:
+    """A wall clock that `sleep` advances, with PSI stall growing at `rates[i]` (share) in window i."""
+
+    def __init__(self, rates: list[float | None]) -> None:
+        self.t, self.stall, self.rates, self.window = 0.0, 0.0, rates, 0
+
+    def sleep(self, s: float) -> None:
+        rate = self.rates[min(self.window, len(self.rates) - 1)]
+        self.stall += (rate or 0.0) * s * 1e6
+        self.t += s
+        self.window += 1
+
+    def readings(self) -> ct.Readings:
+        rates = self.rates
+        return ct.Readings(pressure_us=lambda: None if rates[0] is None else int(self.stall),
+                           load=lambda: 0.5, wall=lambda: self.t, cpu=lambda: 0.0)
+
+
+def test_waiting_for_quiet_stops_at_the_first_quiet_window_or_the_limit():
+    clock = Clock([0.9, 0.8, 0.05])
+    assert ct.wait_for_quiet(10.0, clock.readings(), window_s=0.5, sleep=clock.sleep) == pytest.approx(1.5)
+    clock = Clock([0.9])
+    assert ct.wait_for_quiet(2.0, clock.readings(), window_s=0.5, sleep=clock.sleep) == pytest.approx(2.0)
+    clock = Clock([None])  # no PSI: nothing tells that it is quiet now; one window, then on
+    assert ct.wait_for_quiet(5.0, clock.readings(), window_s=0.5, sleep=clock.sleep) == pytest.approx(0.5)
+
+
+def test_the_suite_takes_wait_for_quiet_s_and_refuses_a_negative_one(tmp_path):
+    from bench.errors import BadInput
+    from bench.spec.suite import load_suite
+
+    base = {"name": "w", "impls": ["dense"], "sweep": {"seq_len": [64]}}
+    assert load_suite(write_suite(tmp_path, {**base, "measure": {"wait_for_quiet_s": 5.0}})).measure.wait_for_quiet_s \
+        == 5.0
+    with pytest.raises(BadInput, match="wait_for_quiet_s"):
+        load_suite(write_suite(tmp_path, {**base, "measure": {"wait_for_quiet_s": -1.0}}, name="bad.yaml"))

@@ -120,6 +120,8 @@ class ContentionMeter:
         if load is not None:
             self.load = load if self.load is None else max(self.load, load)
 
+    waited_s: float | None = None  # measure.wait_for_quiet_s: how long the pair waited for quiet first
+
     def result(self, device: str, device_state: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The record's `contention`; None when nothing was timed."""
         if self.wall_s <= 0:
@@ -130,7 +132,22 @@ class ContentionMeter:
         throttle = gpu_throttle(device_state)
         decided, reason = verdict(pressure, self.load, over_wall, throttle)
         return {"cpu_pressure": pressure, "load": self.load, "cpu_over_wall": self.cpu_s / self.wall_s,
-                "gpu_throttle": throttle, "verdict": decided, "reason": reason}
+                "gpu_throttle": throttle, "verdict": decided, "reason": reason, "waited_s": self.waited_s}
+
+
+def wait_for_quiet(max_s: float, readings: Readings | None = None, window_s: float = 0.5,
+                   sleep: Callable[[float], None] = time.sleep) -> float:
+    """Wait, in windows of `window_s`, until a window's CPU pressure is under PRESSURE_BUSY or `max_s` has passed;
+    the seconds waited. Without PSI it does not wait (the load average lags by a minute: it cannot say "now")."""
+    r = readings or Readings()
+    start = r.wall()
+    while r.wall() - start < max_s:
+        before, t0 = r.pressure_us(), r.wall()
+        sleep(window_s)
+        after, t1 = r.pressure_us(), r.wall()
+        if before is None or after is None or (after - before) / 1e6 / max(t1 - t0, 1e-9) < PRESSURE_BUSY:
+            break
+    return r.wall() - start
 
 
 def gpu_throttle(device_state: dict[str, Any] | None) -> list[str] | None:

@@ -31,7 +31,7 @@ from bench.measure import flops as flop_counts
 from bench.measure.calibrate import gpu_identity, peak_for
 from bench.measure.case_cache import CaseCache, case_attention_stats
 from bench.measure.check import check_against_oracle
-from bench.measure.contention import ContentionMeter
+from bench.measure.contention import ContentionMeter, wait_for_quiet
 from bench.measure.env import device_description
 from bench.measure.fidelity import fidelity
 from bench.measure.memory import measure_peak, track_allocations
@@ -220,6 +220,8 @@ class PairSession:
         if monitor is not None:
             monitor.start()
         policy = policy_of(self.task.measure)
+        if self.task.measure.wait_for_quiet_s > 0:
+            self.contention.waited_s = wait_for_quiet(self.task.measure.wait_for_quiet_s)
         self.contention.start()
         time_s = self._time_selected(policy) if self.selected is not None else measure(self.step, policy, self.timer)
         self.contention.stop()

@@ -249,6 +249,7 @@ class ContentionInfo(BaseModel):
     gpu_throttle: list[str] | None = None  # NVML slowing reasons seen (CUDA only)
     verdict: Literal["quiet", "busy"]
     reason: str | None = None  # the reading that made it busy
+    waited_s: float | None = None  # measure.wait_for_quiet_s: seconds waited for quiet before the timing
 
 
 class Record(BaseModel):
