@@ -222,3 +222,28 @@ def test_the_suite_takes_wait_for_quiet_s_and_refuses_a_negative_one(tmp_path):
         == 5.0
     with pytest.raises(BadInput, match="wait_for_quiet_s"):
         load_suite(write_suite(tmp_path, {**base, "measure": {"wait_for_quiet_s": -1.0}}, name="bad.yaml"))
+
+
+def test_a_gpu_that_throttles_while_timed_makes_a_busy_record_through_nvml():
+    """The CUDA side, through the fake NVML: a thermal slowdown seen around the timing, or power-cap time that
+    grew in between, is a busy verdict with the reasons; an idle-then-busy GPU that never throttled is quiet."""
+    from tests.fake_nvml import FakeGpu
+    from tests.test_env import monitor_of
+
+    def verdict_after(change) -> dict:
+        gpu = FakeGpu(reasons=0x0)
+        monitor, meter = monitor_of(gpu), ct.ContentionMeter(fixed_readings([0.0, 1.0], [0.0, 1.0], [0, 0], 0.1))
+        monitor.start()
+        meter.start()
+        change(gpu)
+        meter.stop()
+        result = meter.result("cuda", monitor.stop())
+        assert result is not None
+        return result
+
+    hot = verdict_after(lambda g: setattr(g, "reasons", 0x20))
+    assert hot["verdict"] == "busy" and hot["gpu_throttle"] == ["sw_thermal_slowdown"]
+    capped = verdict_after(lambda g: g.violation_ns.__setitem__(0, 250_000_000))
+    assert capped["verdict"] == "busy" and capped["gpu_throttle"] == ["violation counters grew"]
+    calm = verdict_after(lambda g: setattr(g, "reasons", 0x1))
+    assert calm["verdict"] == "quiet" and calm["gpu_throttle"] == []
