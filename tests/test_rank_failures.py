@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench.measure.rank import assemble_record
+from bench.measure.rank_record import assemble_record
 from bench.measure.task import Task
 from bench.run import ranks
 from bench.spec.case import Case

@@ -86,7 +86,7 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
     """Measure one (case, impl) over case.world_size rank processes; always returns a Record."""
     import torch.distributed as dist
 
-    from bench.measure.rank import assemble_record
+    from bench.measure.rank_record import assemble_record
 
     started, t_start = utc_now(), time.perf_counter()
     world, device = int(task.case["world_size"]), str(task.case["device"])
