@@ -15,6 +15,9 @@ from bench.terminal import make_console
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
+# bench.spec.case.DEVICES (tests hold them equal), not imported: it imports torch, which `bench --help` needs not
+DEVICES = ("auto", "cpu", "cuda")
+
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from bench.run.runner import RunOptions, run
@@ -183,7 +186,7 @@ def _add_inputs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inputs", help="the attention statistics of a suite's inputs (how concentrated each row is)")
     p.add_argument("suite", metavar="SUITE.yaml")
     p.add_argument("--case", type=int, metavar="N", help="only this case (index, see run --dry-run)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override the cases' device")
+    p.add_argument("--device", choices=DEVICES, help="override the cases' device")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(func=_cmd_inputs)
 
@@ -205,14 +208,11 @@ def _add_capture(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_capture)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a suite and store every measurement")
     p.add_argument("suite", metavar="SUITE.yaml")
     p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation (repeatable)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override every case's device")
+    p.add_argument("--device", choices=DEVICES, help="override every case's device")
     p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
     p.add_argument("--resume", metavar="RUN_DIR", help="measure only the pairs missing from this run")
     p.add_argument("--dry-run", action="store_true", help="print the cases and implementations, run nothing")
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "sizes above 1, each whole (launched across nodes), the others split the single-rank pairs")
     p.set_defaults(func=_cmd_run)
 
+
+def _add_list(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="implementations, patterns, selectors or hardware, with availability")
     p.add_argument("what", nargs="?", choices=["impls", "patterns", "selectors", "hardware"], default="impls")
     p.add_argument("--plugin", action="append", metavar="MODULE|FILE.py",
@@ -231,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", metavar="SUITE.yaml", help="import the plugins this suite names first")
     p.set_defaults(func=_cmd_list)
 
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="which cases got slower or faster between two runs or commits")
     p.add_argument("base", metavar="BASE", help="run directory, or a commit id prefix found in the results store")
     p.add_argument("new", metavar="NEW", help="run directory, or a commit id prefix found in the results store")
@@ -244,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare only exact figures (status, FLOPs, correctness, bytes), not times")
     p.set_defaults(func=_cmd_compare)
 
+
+def _add_ab(sub: argparse._SubParsersAction) -> None:
     from bench.run.ab import DEFAULT_BLOCK_S, DEFAULT_ROUNDS, DEFAULT_THREADS
 
     DEFAULT_AB_THRESHOLD = 5.0  # bench.analysis.ab.DEFAULT_THRESHOLD_PCT (not imported here: scipy is slow)
@@ -263,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=0.05, help="false discovery rate across pairs (default 0.05)")
     p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation (repeatable)")
     p.add_argument("--out", default="results", metavar="DIR", help="results root for both runs (default: results)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override every case's device")
+    p.add_argument("--device", choices=DEVICES, help="override every case's device")
     p.add_argument("--block-ms", type=float, default=DEFAULT_BLOCK_S * 1e3, metavar="MS",
                    help=f"shortest timed block per side and round (default {DEFAULT_BLOCK_S * 1e3:g})")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
@@ -274,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="list every pair, not only regressions and improvements")
     p.set_defaults(func=_cmd_ab)
 
+
+def _add_history(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("history", help="per (case, impl) series over commits, with detected steps")
     p.add_argument("suite", nargs="?", metavar="SUITE", help="suite name (default: every suite)")
     p.add_argument("--results", default="results", metavar="DIR", help="results store (default: results)")
@@ -283,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the series and steps as JSON")
     p.set_defaults(func=_cmd_history)
 
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="a run as pytest-benchmark JSON, CSV, github-action-benchmark or Bencher JSON")
     p.add_argument("run", metavar="RUN_DIR")
     p.add_argument("--format", required=True, choices=["pytest-benchmark", "csv", "github-action-benchmark", "bencher"],
@@ -290,17 +300,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", help="output file (default: stdout)")
     p.set_defaults(func=_cmd_export)
 
+
+def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dashboard", help="Plotly HTML pages of the results (offline; open DIR/index.html)")
     p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (default: every run in --results)")
     p.add_argument("-o", "--output", default="dashboards", metavar="DIR", help="output directory (default: dashboards)")
     p.add_argument("--results", default="results", metavar="DIR", help="results store (default: results)")
     p.set_defaults(func=_cmd_dashboard)
 
+
+def _add_env(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="what was detected: GPUs, drivers, versions, git state")
     p.set_defaults(func=_cmd_env)
 
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure this machine's matmul rate per dtype and copy bandwidth")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--out", default="results", metavar="DIR",
                    help="results root; stored in DIR/calibration/<fingerprint>.json (default: results)")
     p.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"],
@@ -308,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller sizes and budgets (what a run does at its start)")
     p.set_defaults(func=_cmd_calibrate)
 
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
     from bench.measure.hardware import GPU_CHOICES
 
     p = sub.add_parser("model", help="lower-bound times of a suite's cases on a GPU that is not here (a model)")
@@ -316,16 +334,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
     p.set_defaults(func=_cmd_model)
 
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="a torch.profiler trace (Chrome JSON) of one (case, impl) and its top ops")
     p.add_argument("suite", metavar="SUITE.yaml")
     p.add_argument("--impl", required=True, metavar="NAME")
     p.add_argument("--case", type=int, default=0, metavar="N", help="index of the case (see run --dry-run)")
     p.add_argument("-o", "--output", metavar="FILE", help="trace file (default: profiles/<suite>-<case>-<impl>.json)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override the case's device")
+    p.add_argument("--device", choices=DEVICES, help="override the case's device")
     p.set_defaults(func=_cmd_profile)
-    _add_inputs(sub)
-    _add_capture(sub)
-    _add_submit(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench", description="Benchmark and profile sparse attention.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_run, _add_list, _add_compare, _add_ab, _add_history, _add_export, _add_dashboard, _add_env,
+                _add_calibrate, _add_model, _add_profile, _add_inputs, _add_capture, _add_submit):
+        add(sub)
     return parser
 
 

@@ -47,3 +47,10 @@ def format_ratio(ratio: float | None) -> str:
     if ratio is None or not math.isfinite(ratio):
         return "-"
     return f"{ratio:.3g}x"
+
+
+def format_p(p: float | None) -> str:
+    """A p- or q-value in a table: two significant digits, scientific below 0.001 (`bench compare`, `bench ab`)."""
+    if p is None or not math.isfinite(p):
+        return "-"
+    return f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}"

@@ -14,13 +14,19 @@ installed packages that declare an entry point in the group `sparse_attention_be
 from __future__ import annotations
 
 import contextvars
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from bench.plugins import load_entry_points, source_of
 from bench.spec.case import Case
+
+# Set by `bench run` for its children: the run directory, where logs an implementation writes belong.
+RUN_DIR_ENV = "BENCH_RUN_DIR"
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -213,6 +219,14 @@ class Impl:
 
 _REGISTRY: dict[str, type[Impl]] = {}
 _INSTANCES: dict[str, Impl] = {}
+
+
+def artifact_path(name: str) -> Path:
+    """Where an implementation keeps a file for the user to read (a whole compiler log): the run directory under
+    `bench run`, else a directory of this package's in the system's temporary directory."""
+    directory = Path(os.environ.get(RUN_DIR_ENV) or Path(tempfile.gettempdir()) / "sparse-attention-bench")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / name
 
 
 def register(cls: type[Impl]) -> type[Impl]:

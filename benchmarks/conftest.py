@@ -37,7 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Load and validate the suite once, before collection; a bad one is a usage error naming the field."""
-    from bench.run.runner import select_impls
+    from bench.run.tasks import select_impls
     from bench.spec.suite import load_suite
 
     try:

@@ -199,7 +199,13 @@ class Flex(Impl):
         return reason
 
     def prepare(self, case, pattern, q, k, v):
-        from torch._inductor.exc import InductorError
+        from torch._dynamo.exc import BackendCompilerFailed
+        from torch._inductor.exc import CppCompileError
+
+        # InductorError is a BackendCompilerFailed; a C++ build of the compiled code can also fail outside it,
+        # when the module is loaded at the first call (CppCompileError, seen on an AMD CPU with an attention-gym
+        # mask_mod)
+        compile_failures = (BackendCompilerFailed, CppCompileError)
 
         with setup_phase("mask"):
             block_mask = block_mask_for(pattern, case.block_size, q.device)
@@ -216,7 +222,7 @@ class Flex(Impl):
             try:
                 with setup_phase("compile"):  # torch.compile traces and compiles on the first call
                     out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
-            except InductorError as exc:
+            except compile_failures as exc:
                 # Inductor's CPU flex template cannot compile some predicates (torch 2.13 emits undeclared
                 # variables for several of attention-gym's mask_mods): the same matrix looked up in the
                 # block view compiles. The record says which mask_mod ran and why.

@@ -400,6 +400,9 @@ def test_faulty_ranks_give_failed_records_and_leave_no_process(tmp_path):
                               "call); all 2 ranks killed")
     assert timeout_s <= hang["wall_s"] < timeout_s + 60  # the clock starts once every rank has imported
     assert two["fault_rank_kill"]["reason"] == "rank 1 died during first call (killed by SIGKILL); all 2 ranks killed"
+    # the kinds a worker gives the same failures, not `error` for all
+    assert [two[name]["failure"] for name in ("fault_rank_raise", "fault_rank_hang", "fault_rank_kill")] == [
+        "error", "timeout", "died"]
 
     healthy = two["cp_sparse"]  # the sweep went on
     assert healthy["status"] == "ok", healthy

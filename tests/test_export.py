@@ -13,7 +13,7 @@ import pytest
 
 from bench.cli import main
 from tests.conftest import ROOT, outer_pytest_env, write_suite
-from tests.synthetic import commit_id, noisy, record, write_run
+from tests.synthetic import commit_id, noisy, params, record, write_run
 
 
 def pytest_benchmark_compare(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -80,6 +80,25 @@ def test_csv_has_one_row_per_record(tmp_path, two_runs, capsys):
     assert rows[0]["param.seq_len"] == "128" and rows[0]["commit"] == commit_id(1)
     assert main(["export", str(base), "--format", "csv", "-o", str(tmp_path / "no" / "such.csv")]) == 2
     assert "-o: the output file's directory does not exist" in capsys.readouterr().err
+
+
+def test_csv_has_a_column_for_every_case_field(tmp_path):
+    """Columns come from the Case's fields, so none is dropped (cp_layout, ulysses_degree were)."""
+    from dataclasses import fields
+
+    from bench.spec.case import Case
+
+    run = write_run(tmp_path / "zigzag", commit=commit_id(3), records=[record(
+        "z", "cp_usp", noisy(np.random.default_rng(1), 1e-3), params=params(world_size=4, cp_layout="zigzag",
+                                                                            ulysses_degree=2, documents=[64, 64]))])
+    out = tmp_path / "base.csv"
+    assert main(["export", str(run), "--format", "csv", "-o", str(out)]) == 0
+    header = out.read_text().splitlines()[0].split(",")
+    assert {f"param.{f.name}" for f in fields(Case)} <= set(header)
+    assert {"param.cp_layout", "param.ulysses_degree", "param.kv_lens", "contention_verdict"} <= set(header)
+    rows = csv_rows(out)
+    assert (rows[0]["param.cp_layout"], rows[0]["param.ulysses_degree"]) == ("zigzag", "2")
+    assert json.loads(rows[0]["param.documents"]) == [64, 64]
 
 
 def test_default_test_run_does_not_collect_benchmarks(pytestconfig):

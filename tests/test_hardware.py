@@ -121,7 +121,7 @@ def test_gpu_suites_reach_each_cards_dense_limit(suite_name, card, largest_fit, 
     from bench.measure.memory_model import does_not_fit
     from bench.spec.suite import load_suite
 
-    suite = load_suite(hardware.PROJECT_ROOT / "suites" / f"{suite_name}.yaml")
+    suite = load_suite(hardware.SUITES_DIR / f"{suite_name}.yaml")
     memory = resolve(card).memory_bytes
     dense = registry.get("dense")
     fits, skipped = set(), set()
@@ -132,3 +132,29 @@ def test_gpu_suites_reach_each_cards_dense_limit(suite_name, card, largest_fit, 
             (skipped if too_big else fits).add(case.seq_len)
     assert max(fits) == largest_fit and min(skipped) == smallest_skip
     assert max(c.seq_len for c in suite.cases) >= 2 * smallest_skip  # the sparse ones go on past dense
+
+
+def test_an_installed_bench_finds_its_suites_outside_the_checkout(tmp_path):
+    """`pip install .` (not editable) carries suites/ in the package (bench/suites): suite_for_gpu finds them
+    and they load (their plugins and data beside them) with no checkout on the path."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--target", str(site), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    program = ("import bench, sys\n"
+               "from bench.measure.hardware import suite_for_gpu\n"
+               "from bench.spec.suite import load_suite\n"
+               f"assert bench.__file__.startswith({str(site)!r}), bench.__file__\n"
+               "path = suite_for_gpu('NVIDIA H100 80GB HBM3', 80 * 2**30)\n"
+               "print(path, len(load_suite(path).cases), len(load_suite(path.parent / 'inputs.yaml').cases))\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    path, cases, inputs_cases = proc.stdout.split()
+    assert path == str(site / "bench" / "suites" / "h100.yaml") and int(cases) > 0 and int(inputs_cases) > 0

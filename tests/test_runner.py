@@ -32,6 +32,8 @@ def test_records_follow_the_golden_schema(tmp_path):
     assert sorted(info["suite"]) == GOLDEN["run.json:suite"]
     assert sorted(info["env"]) == GOLDEN["run.json:env"]
     assert sorted(info["env"]["git"]) == GOLDEN["run.json:env.git"]
+    assert sorted(info["env"]["load"]) == GOLDEN["run.json:env.load"]
+    assert info["env"]["load"]["end"]["at"] >= info["env"]["load"]["start"]["at"]
     assert info["finished_at"] is not None and info["run_id"] == run_dir.name
     records = read_jsonl(run_dir / "records.jsonl")
     assert len(records) == 4 * 2  # one per (case, impl)
@@ -44,6 +46,8 @@ def test_records_follow_the_golden_schema(tmp_path):
         assert len(r["time_s"]["samples"]) == r["time_s"]["n"] >= 3
         assert sorted(r["memory"]) == GOLDEN["record:memory"]
         assert sorted(r["error"]) == GOLDEN["record:error"]
+        assert sorted(r["contention"]) == GOLDEN["record:contention"]
+        assert r["contention"]["verdict"] in ("quiet", "busy") and r["contention"]["cpu_over_wall"] > 0
         assert r["error"]["rel_l2"] <= r["error"]["tolerance"]
         if r["params"]["mode"] == "fwd_bwd":
             assert set(r["error"]["grads"]) == {"dq", "dk", "dv"}

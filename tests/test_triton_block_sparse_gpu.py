@@ -13,12 +13,12 @@ from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.patterns import make_pattern
 from bench.registry import get
 from bench.spec.case import Case
-from impls.triton_block_sparse import launch
+from impls.triton_block_sparse import launch, mode
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(torch.cuda.is_available() and launch.uses_interpreter(),
+    pytest.mark.skipif(torch.cuda.is_available() and mode.uses_interpreter(),
                        reason="TRITON_INTERPRET=1: this process runs the interpreter, not the compiled kernels"),
 ]
 

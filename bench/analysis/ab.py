@@ -24,8 +24,9 @@ from typing import Any
 from rich.console import Console
 
 from bench.analysis import ab_stats as st
+from bench.analysis.ab_sequential import ImplVerdict, impl_verdict
 from bench.analysis.compare import Change, figure_changes
-from bench.analysis.stats import benjamini_hochberg, seed_for
+from bench.analysis.stats import benjamini_hochberg, busy_side, refuse_busy, seed_for
 from bench.errors import BadInput
 from bench.results.records import Record
 from bench.run.ab import (
@@ -66,6 +67,7 @@ class ABPair:
     second: st.PairedTest | None = None  # the second trial (fresh workers) alone; `test` pools both
     second_medians: list[tuple[float, float]] = field(default_factory=list)
     not_repeated: bool = False  # the rounds read SLOWER or FASTER, the second trial alone did not repeat it
+    busy: str | None = None  # a side timed on a busy machine: a change is NOISY, not SLOWER or FASTER
 
     @property
     def regression(self) -> bool:
@@ -86,6 +88,7 @@ class ABResult:
     only_base: list[tuple[str, str, str]]  # (case_id, impl, status)
     only_new: list[tuple[str, str, str]]
     notes: list[str]
+    impls: list[ImplVerdict] = field(default_factory=list)  # a verdict per implementation across its cases
 
     @property
     def base(self) -> SideRun:
@@ -122,6 +125,9 @@ class ABResult:
                          "threads": m.threads, "cpus": m.cpus, "threshold_pct": self.threshold_pct, "alpha": self.alpha,
                          "confidence": st.CONFIDENCE, "power": st.POWER},
             "pairs": [_pair_json(p) for p in self.pairs],
+            "impls": [{"impl": v.impl, "pairs": v.pairs, "ratio": _num(v.ratio), "p_value": _num(v.p_value),
+                       "verdict": v.verdict, "slower_pairs": v.slower_pairs, "faster_pairs": v.faster_pairs}
+                      for v in self.impls],
             "only_base": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_base],
             "only_new": [{"case_id": c, "impl": i, "status": s} for c, i, s in self.only_new],
             "notes": self.notes,
@@ -165,7 +171,7 @@ def _pair_json(p: ABPair) -> dict[str, Any]:
     return {"case_id": p.case_id, "impl": p.impl, "label": p.label, "mode": p.mode, "base_status": p.base_status,
             "new_status": p.new_status, "verdict": p.verdict, "time": time, "time_note": p.time_note,
             "changes": [{"figure": c.figure, "base": c.base, "new": c.new, "kind": c.kind} for c in p.changes],
-            "regression": p.regression, "improvement": p.improvement, "reason": p.reason}
+            "regression": p.regression, "improvement": p.improvement, "reason": p.reason, "busy": p.busy}
 
 
 # --- the comparison ------------------------------------------------------------------------------------------
@@ -195,7 +201,7 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
     tested = [p for p in pairs if p.test is not None and p.test.note is None]
     for pair, q in zip(tested, benjamini_hochberg([p.test.p_value for p in tested if p.test]), strict=True):
         pair.q_value = q
-    for pair in pairs:
+    for pm, pair in zip(measurement.pairs, pairs, strict=True):
         if pair.test is not None:
             pair.verdict = st.verdict(pair.test, pair.q_value if pair.q_value is not None else 1.0, threshold, alpha)
             pair.mde = st.mde(pair.test, threshold, alpha)
@@ -207,10 +213,15 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
                 pair.not_repeated = True
                 if pair.verdict in (st.SLOWER, st.FASTER):
                     pair.verdict = st.AMBIGUOUS
+            pair.busy = busy_side([("BASE", [pm.base]), ("NEW", [pm.new])])
+            pair.verdict = refuse_busy(pair.verdict, pair.busy)
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
     notes = _notes(measurement, pairs, threshold, alpha, len(tested))
-    return ABResult(measurement, threshold_pct, alpha, pairs, only_base, only_new, notes)
+    impls = [v for name in dict.fromkeys(p.impl for p in pairs)
+             if (v := impl_verdict(name, [(p.test, p.verdict, p.busy is not None) for p in pairs
+                                          if p.impl == name and p.test is not None], threshold, alpha)) is not None]
+    return ABResult(measurement, threshold_pct, alpha, pairs, only_base, only_new, notes, impls)
 
 
 def check_levels(threshold_pct: float, alpha: float) -> None:
@@ -261,7 +272,11 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
         notes.append(f"{seconds} pair(s) that could read SLOWER or FASTER were measured again on fresh workers after "
                      "the others (a second trial); their verdicts pool both trials and stand only if the second "
                      "repeats the change")
-    noisy = [p for p in pairs if p.verdict == st.NOISY]
+    busy = [p for p in pairs if p.busy is not None]
+    if busy:
+        notes.append(f"{len(busy)} pair(s) had a side timed on a busy machine (e.g. {busy[0].busy}): a change "
+                     "there is NOISY, never SLOWER or FASTER")
+    noisy = [p for p in pairs if p.verdict == st.NOISY and p.busy is None]
     if noisy:
         worst = max(p.mde or 0.0 for p in noisy)
         notes.append(f"{len(noisy)} pairs were too noisy for the {threshold:.0%} threshold (MDE up to "

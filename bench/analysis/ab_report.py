@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from bench.analysis import ab_stats as st
 from bench.analysis.ab import ABPair, ABResult
-from bench.format import format_seconds
+from bench.format import format_p, format_seconds
 
 MAX_WIDTH = 100
 INDENT = "    "
@@ -45,12 +45,6 @@ def interval(pair: ABPair) -> str:
     if t is None or not math.isfinite(t.ci_low):
         return "-"
     return f"[{pct(t.ci_low)}, {pct(t.ci_high)}]"
-
-
-def q_text(q: float | None) -> str:
-    if q is None or not math.isfinite(q):
-        return "-"
-    return f"{q:.2g}" if q >= 1e-3 else f"{q:.0e}"
 
 
 def mde_text(pair: ABPair) -> str:
@@ -97,7 +91,7 @@ def pair_lines(pair: ABPair, label: str, width: int) -> list[tuple[str, str | No
     lines: list[tuple[str, str | None]] = []
     if pair.verdict is not None:
         head = f"  {pair.verdict:<9} {pct(pair.test.ratio) if pair.test else '-':>7} {interval(pair)}" \
-               f"  q {q_text(pair.q_value)}  MDE {mde_text(pair)}"
+               f"  q {format_p(pair.q_value)}  MDE {mde_text(pair)}"
         if pair.second is not None:  # the second trial on fresh workers, alone
             head += f"  2nd {pct(pair.second.ratio)}"
         for i, text in enumerate(_fit(head, who, width)):
@@ -158,6 +152,9 @@ def summary_line(result: ABResult) -> str:
     outcome = f"REGRESSION in {regressions} pairs" if regressions else "no regression"
     if improvements:
         outcome += f", {improvements} improved"
+    impls = ", ".join(f"{v.impl} {v.verdict} ({pct(v.ratio)})" for v in result.impls)
+    if impls:
+        parts.append(f"per implementation: {impls}")
     return f"{outcome} - " + "; ".join(parts)
 
 
@@ -222,7 +219,7 @@ def _md_table(pairs: list[ABPair], short: dict[str, str]) -> list[str]:
     for p in pairs:
         if p.verdict is not None and p.test is not None:
             lines.append(_md_row([p.verdict, p.impl, short.get(p.case_id, p.label), pct(p.test.ratio), interval(p),
-                                  q_text(p.q_value), mde_text(p), format_seconds(p.test.median_base),
+                                  format_p(p.q_value), mde_text(p), format_seconds(p.test.median_base),
                                   format_seconds(p.test.median_new)]))
         else:
             lines.append(_md_row([status_text(p), p.impl, short.get(p.case_id, p.label), "-", "-", "-", "-", "-",

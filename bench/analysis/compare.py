@@ -65,15 +65,12 @@ class Side:
 def make_side(label: str, runs: list[Run], what: str) -> Side:
     records: dict[Key, list[Record]] = {}
     modelled: list[Record] = []
-    for run in runs:
-        seen: set[Key] = set()
+    for run in runs:  # one record per pair and run (bench.results.store.first_per_pair)
         for record in run.records:
-            key = (record.case_id, record.impl)
             if run.info.source == "modelled" or record.source == "modelled":
                 modelled.append(record)
-            elif key not in seen:  # a resumed run may hold a pair twice; its first record counts, as in `run`
-                seen.add(key)
-                records.setdefault(key, []).append(record)
+            else:
+                records.setdefault((record.case_id, record.impl), []).append(record)
     if not records and modelled:
         raise BadInput(f"{what} {label!r} holds only modelled records (from `bench model`), not measurements; "
                        "compare compares measurements. Compare two measured runs instead")
@@ -108,6 +105,10 @@ class PairResult:
     changes: list[Change] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     time_advisory: bool = False  # one run per side: the time verdict is shown, never a regression
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.case_id, self.impl
 
     @property
     def slower_regression(self) -> bool:
@@ -333,6 +334,10 @@ def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRES
         if pair.time is not None:
             pair.verdict = cs.verdict(pair.time, pair.q_value if pair.q_value is not None else 1.0,
                                       threshold_pct / 100, alpha)
+            busy = cs.busy_side([("BASE", base.records[pair.key]), ("NEW", new.records[pair.key])])
+            if cs.refuse_busy(pair.verdict, busy) == cs.NOISY:
+                pair.verdict = cs.NOISY
+                pair.notes.append(f"NOISY: {busy}; the time change is not called")
 
     only_base = [(c, i, pooled_status(r)) for (c, i), r in base.records.items() if (c, i) not in new.records]
     only_new = [(c, i, pooled_status(r)) for (c, i), r in new.records.items() if (c, i) not in base.records]

@@ -128,12 +128,9 @@ def build_history(runs: Iterable[Run], suite: str | None = None, threshold: floa
     grouped: dict[tuple[str, str, str, str], dict[str, list[tuple[Run, list[float]]]]] = {}
     for run in ordered:
         commit = run_commit(run) or f"(no git: {run.info.run_id})"
-        seen: set[tuple[str, str]] = set()
-        for record in run.records:
-            pair = (record.case_id, record.impl)
-            if record.source != "measured" or record.status != "ok" or not record.time_s or pair in seen:
+        for record in run.records:  # one per pair (bench.results.store.first_per_pair)
+            if record.source != "measured" or record.status != "ok" or not record.time_s:
                 continue
-            seen.add(pair)
             key = (run.info.suite.name, run_fingerprint(run), record.case_id, record.impl)
             grouped.setdefault(key, {}).setdefault(commit, []).append((run, list(record.time_s.samples)))
     return [series_from_points(*key, [_make_point(c, e) for c, e in by_commit.items()], threshold=threshold)

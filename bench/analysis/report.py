@@ -5,27 +5,23 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from bench.analysis import stats as cs
 from bench.analysis.compare import Comparison, PairResult, iter_changes
-from bench.format import format_seconds
+from bench.format import format_p, format_seconds
 
-VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow"}
+VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow",
+                 cs.NOISY: "yellow"}
 KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow"}
 
 
 def _ratio(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.3f}"
-
-
-def _p(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.2g}" if x >= 1e-3 else f"{x:.1e}"
 
 
 def _verdict_cell(pair: PairResult) -> str:
@@ -37,7 +33,9 @@ def _verdict_cell(pair: PairResult) -> str:
     return f"{text} [dim](advisory)[/]" if pair.time_advisory and pair.verdict in (cs.SLOWER, cs.FASTER) else text
 
 
-def time_table(comparison: Comparison) -> Table:
+def time_table(comparison: Comparison, width: int | None = None) -> Table | Group:
+    """The time verdicts. Where the columns do not fit `width`, case and implementation share one folded first
+    column (the case above, the implementation below) so that no figure column is cut or dropped."""
     c = comparison
     table = Table(title=f"time per call, NEW vs BASE (threshold {c.threshold_pct:g}%, "
                         f"{cs.CONFIDENCE:.0%} bootstrap interval, Mann-Whitney U, BH-corrected at {c.alpha:g})")
@@ -45,20 +43,42 @@ def time_table(comparison: Comparison) -> Table:
         ("case", "left"), ("impl", "left"), ("base", "right"), ("new", "right"),
                           ("ratio", "right"), ("interval", "right"), ("p", "right"), ("q", "right"),
                           ("verdict", "left"))
-    for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True)
+    rows: list[list[str]] = []
     for pair in c.pairs:
         if pair.time is None:
             status = pair.new_status if pair.base_status == pair.new_status else \
                 f"{pair.base_status} -> {pair.new_status}"
-            table.add_row(escape(pair.case_id), escape(pair.impl), "", "", "", "", "", "",
-                          f"[dim]{escape(status)}[/]" if not c.deterministic_only else "-")
+            rows.append([escape(pair.case_id), escape(pair.impl), "", "", "", "", "", "",
+                         f"[dim]{escape(status)}[/]" if not c.deterministic_only else "-"])
             continue
         t = pair.time
         interval = "-" if not math.isfinite(t.ci_low) else f"[{t.ci_low:.3g}, {t.ci_high:.3g}]"
-        table.add_row(escape(pair.case_id), escape(pair.impl), format_seconds(t.median_base),
-                      format_seconds(t.median_new), _ratio(t.ratio), interval, _p(t.p_value), _p(pair.q_value),
-                      _verdict_cell(pair))
+        rows.append([escape(pair.case_id), escape(pair.impl), format_seconds(t.median_base),
+                     format_seconds(t.median_new), _ratio(t.ratio), escape(interval), format_p(t.p_value),
+                     format_p(pair.q_value), _verdict_cell(pair)])
+    widest = [max([len(name), *(Text.from_markup(row[i]).cell_len for row in rows)])
+              for i, (name, _) in enumerate(columns)]
+    if width is not None and 1 + 15 + sum(w + 3 for w in widest[2:]) > width:
+        # not even the figures fit beside a folded case: one block per pair, each figure glued to its name by a
+        # no-break space, so the lines wrap between figures
+        blocks: list[RenderableType] = [Text(table.title if isinstance(table.title, str) else "", style="bold")]
+        for row in rows:
+            figures = "  ".join(f"{name}\u00a0{cell}" for (name, _), cell in zip(columns[2:], row[2:], strict=True)
+                                if cell and name != "verdict")
+            blocks.append(Text.from_markup(f"{row[0]} | {row[1]}\n    {figures}  {row[-1]}"))
+        return Group(*blocks)
+    if width is not None and 1 + sum(w + 3 for w in widest) > width:
+        columns = (("case / impl", "left"), *columns[2:])
+        rows = [[f"{row[0]}\n  {row[1]}", *row[2:]] for row in rows]
+        widest = [0, *widest[2:]]
+        table.show_lines = True  # two-line rows: rules keep each pair's lines together
+    for (name, justify), w in zip(columns, widest, strict=True):
+        if name.startswith("case"):  # the one column that gives way: folded, never cut or dropped
+            table.add_column(name, justify=justify, overflow="fold", min_width=12)
+        else:
+            table.add_column(name, justify=justify, no_wrap=True, min_width=w)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -67,8 +87,8 @@ def changes_table(comparison: Comparison) -> Table | None:
     if not rows:
         return None
     table = Table(title="deterministic figures that changed (compared exactly)")
-    for name in ("case", "impl", "figure", "base", "new", "kind"):
-        table.add_column(name, no_wrap=name == "case")
+    for name in ("case", "impl", "figure", "base", "new", "kind"):  # a long figure name folds, never cut
+        table.add_column(name, no_wrap=name == "case", overflow="fold")
     for pair, change in rows:
         table.add_row(escape(pair.case_id), escape(pair.impl), change.figure, escape(str(change.base)),
                       escape(str(change.new)), f"[{KIND_STYLE[change.kind]}]{change.kind}[/]")
@@ -82,7 +102,7 @@ def print_comparison(comparison: Comparison, console: Console, err_console: Cons
     console.print(f"base: {escape(c.base.label)} ({', '.join(r.info.run_id for r in c.base.runs)})")
     console.print(f"new:  {escape(c.new.label)} ({', '.join(r.info.run_id for r in c.new.runs)})")
     if not c.deterministic_only:
-        console.print(time_table(c))
+        console.print(time_table(c, console.width))
     table = changes_table(c)
     if table is not None:
         console.print(table)

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-SLOWER, FASTER, SAME, AMBIGUOUS = "SLOWER", "FASTER", "SAME", "AMBIGUOUS"
-VERDICTS = (SLOWER, FASTER, SAME, AMBIGUOUS)
+from bench.results.records import Record
+
+SLOWER, FASTER, SAME, AMBIGUOUS, NOISY = "SLOWER", "FASTER", "SAME", "AMBIGUOUS", "NOISY"
+VERDICTS = (SLOWER, FASTER, SAME, AMBIGUOUS, NOISY)
 MIN_SAMPLES = 3  # per side; below this neither the interval nor the test means anything
 N_RESAMPLES = 2000  # bootstrap resamples: the interval's ends move by < 1% of its width between seeds
 CONFIDENCE = 0.95
@@ -171,3 +173,18 @@ def interval_verdict(ci_low: float, ci_high: float, note: str | None, q_value: f
     if -t <= lo and hi <= t:
         return SAME
     return AMBIGUOUS
+
+
+def busy_side(sides: Sequence[tuple[str, Sequence[Record | None]]]) -> str | None:
+    """Why a time change cannot be called: `BASE timed on a busy machine (CPU pressure 63% (>= 20%))` for the first
+    side with a record measured busy (bench.measure.contention), else None."""
+    for name, records in sides:
+        for r in records:
+            if r is not None and r.busy and r.contention is not None:
+                return f"{name} timed on a busy machine ({r.contention.reason})"
+    return None
+
+
+def refuse_busy(verdict: str, busy: str | None) -> str:
+    """The one rule of `bench compare` and `bench ab`: a change (SLOWER, FASTER) from a busy side is NOISY."""
+    return NOISY if busy is not None and verdict in (SLOWER, FASTER) else verdict

@@ -71,6 +71,7 @@ class Row:
     source: str  # measured | modelled
     device: str
     interpreter: bool  # a Triton kernel run through the CPU interpreter: not kernel speed
+    busy: str | None = None  # timed on a busy machine: the record's contention reason
     median_s: float | None = None
     ci95_s: tuple[float, float] | None = None
     samples: int = 0
@@ -190,6 +191,7 @@ def row_from_record(run: Run, record: Record) -> Row:
         case_id=record.case_id, impl=record.impl, params=dict(record.params), status=record.status,
         reason=record.reason, source="modelled" if modelled else "measured", device=_device_of(record, run),
         interpreter=record.interpreter,
+        busy=record.contention.reason if record.busy and record.contention else None,
         median_s=time_s.median if time_s is not None else None, ci95_s=ci, samples=time_s.n if time_s else 0,
         peak_bytes=record.memory.peak_bytes if record.memory else None,
         memory_method=record.memory.method if record.memory else None,

@@ -42,6 +42,7 @@ class Provenance:
     commits: tuple[str, ...]
     sources: tuple[str, ...]
     interpreter: bool
+    busy: int = 0  # records timed on a busy machine
 
     @property
     def kind(self) -> str:
@@ -57,6 +58,8 @@ class Provenance:
                  f"commit {commits or 'unknown'}"]
         if self.interpreter:
             parts.append("includes Triton interpreter timings (CPU emulation, not kernel speed)")
+        if self.busy:
+            parts.append(f"{self.busy} records timed on a busy machine (hover: BUSY): not to be trusted")
         return " · ".join(parts)
 
 
@@ -73,6 +76,7 @@ def provenance(rows: Iterable[Row]) -> Provenance:
         commits=tuple(dict.fromkeys(r.short_commit + ("+dirty" if r.dirty else "") for r in rows)),
         sources=tuple(sorted({r.source for r in rows})),
         interpreter=any(r.interpreter for r in rows),
+        busy=sum(r.busy is not None for r in rows),
     )
 
 
@@ -175,4 +179,6 @@ def row_hover(row: Row, *extra: str) -> str:
              plot_text(f"commit {row.short_commit}{' (dirty tree)' if row.dirty else ''}")]
     if row.interpreter:
         lines.append(plot_text(INTERPRETER_NOTE))
+    if row.busy is not None:
+        lines.append(plot_text(f"BUSY: timed on a busy machine ({row.busy})"))
     return hover(lines)

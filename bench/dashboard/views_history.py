@@ -41,7 +41,7 @@ def history_series(runs: Iterable[Run], rows: Sequence[Row], suite: str) -> tupl
     """(every series of `suite` with its latest record, the suite's commits in first-measured order)."""
     runs = list(runs)
     latest: dict[tuple[str, str, str], Row] = {}
-    for row in rows:  # rows are oldest first: the last one seen wins
+    for row in rows:  # rows are oldest first (a run's pair once): the latest run's record is the series' current
         if row.suite == suite and row.source == "measured":
             latest[(row.fingerprint, row.case_id, row.impl)] = row
     out = []

@@ -20,7 +20,8 @@ from typing import Any
 
 from rich.table import Table
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding bench/measure/
+# bench/suites: in a checkout a link to suites/, in an installed package the copy its wheel carries
+SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"
 GiB = 2**30
 TERA = 1e12
 
@@ -141,7 +142,7 @@ def suite_for_gpu(name: str, memory_bytes: int | None) -> Path:
         filename = "a100.yaml"
     else:
         filename = "h100.yaml"
-    return PROJECT_ROOT / "suites" / filename
+    return SUITES_DIR / filename
 
 
 def detect_gpu() -> tuple[str, int] | None:

@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.inputs import CaseInputs
 from bench.measure import flops as flop_counts
-from bench.measure.attention_stats import attention_statistics
 from bench.measure.calibrate import gpu_identity, peak_for
-from bench.measure.check import check_against_oracle, checked_rows
+from bench.measure.case_cache import CaseCache, case_attention_stats
+from bench.measure.check import check_against_oracle
+from bench.measure.contention import ContentionMeter, wait_for_quiet
 from bench.measure.env import device_description
 from bench.measure.fidelity import fidelity
 from bench.measure.memory import measure_peak, track_allocations
@@ -53,7 +52,7 @@ from bench.measure.steps import (
     Phase,
     call_inputs,
     describe_failure,
-    is_out_of_memory,
+    failure_kind,
     make_inputs,
     no_phase,
     policy_of,
@@ -64,7 +63,6 @@ from bench.measure.steps import (
 )
 from bench.measure.task import Task
 from bench.measure.timing import Timer, TimingPolicy, measure, summarize, timer_for
-from bench.patterns import Pattern
 from bench.results.records import Record
 from bench.results.store import utc_now
 from bench.selection import Selection, SelectionError, SelectorInfo
@@ -74,39 +72,6 @@ from bench.spec.case import Case
 FreshMemory = Callable[[Task], dict[str, Any]]
 
 # --- one pair in this process --------------------------------------------------------------------------------
-
-
-@dataclass
-class CaseCache:
-    """Pattern, inputs and oracle of the case measured last, shared by its implementations."""
-
-    key: str | None = None
-    pattern: Pattern | None = None
-    inputs: CaseInputs | None = None
-    oracle: dict[str, Any] = field(default_factory=dict)
-
-    def input_bytes(self, case: Case) -> int:
-        """Bytes of this case's inputs already allocated (0 when another case's are cached)."""
-        if self.key != f"{case.case_id}@{case.device}" or self.inputs is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self.inputs.tensors)
-
-    def for_case(self, case: Case) -> Pattern:
-        key = f"{case.case_id}@{case.device}"
-        if key != self.key or self.pattern is None:
-            self.key, self.pattern, self.inputs, self.oracle = None, None, None, {}
-            self.pattern = case.make_pattern()
-            self.key = key
-        return self.pattern
-
-
-def case_attention_stats(case: Case, pattern: Pattern, cache: CaseCache) -> dict[str, Any]:
-    """The attention statistics of the case's inputs on the oracle's rows, computed once per case."""
-    if "attention_stats" not in cache.oracle:
-        assert cache.inputs is not None
-        stats = attention_statistics(cache.inputs.q, cache.inputs.k, pattern, checked_rows(case), case.block_size)
-        cache.oracle["attention_stats"] = {k: v for k, v in stats.items() if k != "by_head"}
-    return cache.oracle["attention_stats"]
 
 
 class PairSession:
@@ -131,6 +96,7 @@ class PairSession:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.samples: list[float] = []
+        self.contention = ContentionMeter()  # over the timed calls only
         self.selected: tuple[SelectorInfo, Selection, SelectedSteps] | None = None
 
     def _finish(self, **fields: Any) -> Record:
@@ -141,8 +107,7 @@ class PairSession:
     def failed(self, exc: BaseException) -> Record:
         """The failed record of an exception in the current phase (an out-of-memory one says so)."""
         reason, details = describe_failure(self.current, exc)
-        return self._finish(status="failed", reason=reason, details=details,
-                            failure="out_of_memory" if is_out_of_memory(exc) else "error")
+        return self._finish(status="failed", reason=reason, details=details, failure=failure_kind(exc))
 
     def open(self) -> Record | None:
         """Everything before timing; a final Record when the pair cannot go on, else None."""
@@ -255,8 +220,11 @@ class PairSession:
         if monitor is not None:
             monitor.start()
         policy = policy_of(self.task.measure)
-        selected = self.selected is not None
-        time_s = self._time_selected(policy) if selected else measure(self.step, policy, self.timer)
+        if self.task.measure.wait_for_quiet_s > 0:
+            self.contention.waited_s = wait_for_quiet(self.task.measure.wait_for_quiet_s)
+        self.contention.start()
+        time_s = self._time_selected(policy) if self.selected is not None else measure(self.step, policy, self.timer)
+        self.contention.stop()
         return time_s, monitor.stop() if monitor is not None else None
 
     def _time_selected(self, policy: TimingPolicy) -> dict[str, Any]:
@@ -293,9 +261,11 @@ class PairSession:
         assert self.step is not None and self.timer is not None
         self.current = "timing"
         samples: list[float] = []
+        self.contention.start()
         start = self.timer.clock()
         while len(samples) < calls or self.timer.clock() - start < min_s:
             samples.append(self.timer.time_call(self.step))
+        self.contention.stop()
         self.samples += samples
         return samples
 
@@ -341,7 +311,8 @@ class PairSession:
                         self.base["flops"], moved)
         status = "incorrect" if self.problem else "ok"
         return self._finish(status=status, reason=self.problem, time_s=time_s, memory=memory, error=self.error,
-                            flops_per_s=flops_per_s, env=device_state, peak=peak)
+                            flops_per_s=flops_per_s, env=device_state, peak=peak,
+                            contention=self.contention.result(self.case.device, device_state))
 
 
 def memory_alone(task_json: dict[str, Any]) -> dict[str, Any]:

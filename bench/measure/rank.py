@@ -22,24 +22,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
 
 from bench import registry
-from bench.comm import Communicator, bus_factor, use
+from bench.comm import Communicator, use
 from bench.errors import Unavailable
 from bench.measure import flops as flop_counts
 from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, rows_only
+from bench.measure.contention import ContentionMeter
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak
 from bench.measure.reference import tolerance_for
-from bench.measure.steps import call_inputs, describe_failure, policy_of, prepare_call, timed_step
+from bench.measure.steps import call_inputs, describe_failure, failure_kind, policy_of, prepare_call, timed_step
 from bench.measure.task import Task
 from bench.measure.timing import CpuTimer, measure
-from bench.measure.topology import links, node_label, node_of_rank
-from bench.results.records import Record
+from bench.measure.topology import node_label, node_of_rank
 from bench.sharding import DistributedImpl, Shard
 from bench.spec.case import Case
 
@@ -59,89 +59,78 @@ class RankContext:
     device: str  # cpu | cuda
 
 
-def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None) -> dict[str, Any]:
-    """This rank's part of the record, as a JSON-able dict; never raises for the implementation's faults."""
+class RankPart(TypedDict, total=False):
+    """One rank's part of a distributed record, sent to the runner as JSON (bench.run.messages.RankPart)."""
+
+    rank: int
+    status: str  # ok | skipped | failed
+    reason: str | None
+    details: str | None
+    phase: str  # a failure's phase
+    comm_error: bool  # a failure of the communication layer: a consequence of a peer's failure
+    failure: str  # a failure's kind (bench.results.records.FailureKind)
+    setup_s: float
+    setup: dict[str, Any]
+    config: dict[str, Any]
+    error: dict[str, Any] | None  # rank 0: the oracle check
+    problem: str | None  # rank 0: why the output is incorrect
+    levels: dict[str, Any]  # bytes per level of one counted step
+    comm: dict[str, dict[str, Any]]  # per op: calls, bytes, op and hidden time per timed step
+    time_s: dict[str, Any]
+    contention: dict[str, Any] | None
+    step_s: float | None  # this rank's own mean step time
+    pairs: Any  # this rank's useful (query, key) pairs
+    flops: float
+    memory: dict[str, Any]
+    device: str
+    threads: int
+    base: dict[str, Any]  # rank 0: density, block density, FLOPs of the case
+    expected_bytes: int | None  # rank 0
+    expected_by_level: dict[str, int] | None  # rank 0
+    expected_matrix: list[list[int]] | None  # rank 0: the closed form's bytes from each rank to each peer
+    node: str  # this rank's node (bench.measure.topology)
+    peers: dict[str, int]  # bytes this rank sent to each peer in one counted step
+
+
+class _Phases:
+    """The phase a rank is in: reported as it enters one, named by a failure."""
+
+    def __init__(self, report: Phase) -> None:
+        self.report, self.current = report, "inputs"
+
+    def enter(self, name: str) -> None:
+        self.current = name
+        self.report(name)
+
+
+def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None) -> RankPart:
+    """This rank's part of the record; never raises for the implementation's faults."""
     case = Case(**task.case)
     impl = registry.get(task.impl)
-    out: dict[str, Any] = {"rank": ctx.rank}
+    out: RankPart = {"rank": ctx.rank}
     reason = impl.unavailable() or impl.unsupported(case)
     if reason:
         return {**out, "status": "skipped", "reason": reason}
     assert isinstance(impl, DistributedImpl), f"{task.impl} runs on ranks but is no DistributedImpl"
     comm = Communicator.from_group(ctx.group)
-    current = "inputs"
-
-    def enter(name: str) -> None:
-        nonlocal current
-        current = name
-        phase(name)
-
+    phases = _Phases(phase)
     try:
-        enter("inputs")
+        phases.enter("inputs")
         out["node"] = node_label()
         # Before prepare: cp_usp places its Ulysses groups by the ranks' nodes.
         comm.node_of_rank = node_of_rank(ctx.control, ctx.world_size, out["node"])
         pattern = case.make_pattern()
-        q, k, v, grad_out = call_inputs(case)
         with use(comm):
-            enter("prepare")
-            prepared = prepare_call(impl, case, pattern, q, k, v, enter)
-            out["setup_s"] = prepared.setup_s
-            out["setup"] = prepared.setup.model_dump()
-            out["config"] = prepared.config or {}
-            shards = [impl.shard(case, r) for r in range(ctx.world_size)]
-            kv_shards = [impl.kv_shard(case, r) for r in range(ctx.world_size)]
-            result = prepared.first_output
-            held = _held_output(result, shards[ctx.rank], case)  # raises on a wrong shape
-
-            enter("check")
-            with comm.paused():
-                out["error"], out["problem"] = _check(case, impl, pattern, ctx, (shards, kv_shards), q, k, v,
-                                                      result, held, grad_out, full=task.measure.check)
-            del result, held, prepared.first_output
-            mine = shards[ctx.rank]
-
-            def upstream(result: Tensor) -> Tensor:  # the gradient of what the call returned: all, or a shard
-                assert grad_out is not None
-                return grad_out if result.shape == grad_out.shape else mine.take(grad_out)
-
-            step = timed_step(prepared.fn, q, k, v, grad_out, upstream)
-
-            enter("comm")
-            comm.reset()
-            step()
-            if ctx.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            counted = comm.snapshot()
-            out["levels"] = comm.levels_snapshot()
-            out["peers"] = {str(peer): sent for peer, sent in comm.peers_snapshot().items()}
-
-            enter("timing")
-            policy = policy_of(task.measure)
-            timer = RankTimer(ctx)
-            for _ in range(policy.warmup):
-                timer.time_call(step)
-            comm.reset()
-            timer.own.clear()
-            out["time_s"] = measure(step, replace(policy, warmup=0), timer)
-            timed = comm.snapshot()
-            n = out["time_s"]["n"]
-            for op, stats in counted.items():  # op time (and its hidden part) per step, averaged over the timed steps
-                stats["time_s"] = timed.get(op, {}).get("time_s", 0.0) / n
-                stats["hidden_s"] = timed.get(op, {}).get("hidden_s", 0.0) / n
-            out["comm"] = counted
-            out["step_s"] = sum(timer.own) / len(timer.own) if timer.own else None
-            out["pairs"] = impl.rank_pairs(case, pattern, ctx.rank)
-            out["flops"] = flop_counts.attention_flops(case, out["pairs"]) / case.heads
-
-            enter("memory")
+            step = _prepare_and_check(task, case, impl, pattern, ctx, comm, phases, out)
+            _count_and_time(task, case, impl, pattern, ctx, comm, step, phases, out)
+            phases.enter("memory")
             out["memory"] = measure_peak(step, ctx.device)
     except Unavailable as exc:
         return {**out, "status": "skipped", "reason": exc.reason}
     except Exception as exc:
-        reason, details = describe_failure(current, exc)
-        return {**out, "status": "failed", "reason": reason, "details": details, "phase": current,
-                "comm_error": _is_comm_error(exc)}
+        reason, details = describe_failure(phases.current, exc)
+        return {**out, "status": "failed", "reason": reason, "details": details, "phase": phases.current,
+                "comm_error": _is_comm_error(exc), "failure": failure_kind(exc)}
     out["device"] = device_description(ctx.device)
     out["threads"] = torch.get_num_threads()
     if ctx.rank == 0:
@@ -153,6 +142,70 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
             out["expected_by_level"] = impl.expected_comm_bytes_by_level(case)
             out["expected_matrix"] = impl.expected_comm_matrix(case)
     return {**out, "status": "ok"}
+
+
+def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: Any, ctx: RankContext,
+                       comm: Communicator, phases: _Phases, out: RankPart) -> Callable[[], Any]:
+    """Inputs, prepare and the first call, the oracle check (gathered to rank 0, uncounted); the timed step."""
+    q, k, v, grad_out = call_inputs(case)
+    phases.enter("prepare")
+    prepared = prepare_call(impl, case, pattern, q, k, v, phases.enter)
+    out["setup_s"] = prepared.setup_s
+    out["setup"] = prepared.setup.model_dump()
+    out["config"] = prepared.config or {}
+    shards = [impl.shard(case, r) for r in range(ctx.world_size)]
+    kv_shards = [impl.kv_shard(case, r) for r in range(ctx.world_size)]
+    result = prepared.first_output
+    held = _held_output(result, shards[ctx.rank], case)  # raises on a wrong shape
+
+    phases.enter("check")
+    with comm.paused():
+        out["error"], out["problem"] = _check(case, impl, pattern, ctx, (shards, kv_shards), q, k, v, result, held,
+                                              grad_out, full=task.measure.check)
+    del result, held, prepared.first_output
+    mine = shards[ctx.rank]
+
+    def upstream(result: Tensor) -> Tensor:  # the gradient of what the call returned: all, or a shard
+        assert grad_out is not None
+        return grad_out if result.shape == grad_out.shape else mine.take(grad_out)
+
+    return timed_step(prepared.fn, q, k, v, grad_out, upstream)
+
+
+def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Any, ctx: RankContext,
+                    comm: Communicator, step: Callable[[], Any], phases: _Phases, out: RankPart) -> None:
+    """One step counted op by op, then the timed steps (the slowest rank's time per sample), each op's time and
+    hidden time per step, this rank's own step time and useful work, and the contention while timed."""
+    phases.enter("comm")
+    comm.reset()
+    step()
+    if ctx.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    counted = comm.snapshot()
+    out["levels"] = comm.levels_snapshot()
+    out["peers"] = {str(peer): sent for peer, sent in comm.peers_snapshot().items()}
+
+    phases.enter("timing")
+    policy = policy_of(task.measure)
+    timer = RankTimer(ctx)
+    for _ in range(policy.warmup):
+        timer.time_call(step)
+    comm.reset()
+    timer.own.clear()
+    meter = ContentionMeter()
+    meter.start()
+    out["time_s"] = measure(step, replace(policy, warmup=0), timer)
+    meter.stop()
+    out["contention"] = meter.result(ctx.device)
+    timed = comm.snapshot()
+    n = out["time_s"]["n"]
+    for op, stats in counted.items():  # op time (and its hidden part) per step, averaged over the timed steps
+        stats["time_s"] = timed.get(op, {}).get("time_s", 0.0) / n
+        stats["hidden_s"] = timed.get(op, {}).get("hidden_s", 0.0) / n
+    out["comm"] = counted
+    out["step_s"] = sum(timer.own) / len(timer.own) if timer.own else None
+    out["pairs"] = impl.rank_pairs(case, pattern, ctx.rank)
+    out["flops"] = flop_counts.attention_flops(case, out["pairs"]) / case.heads
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -260,117 +313,3 @@ def _check(case: Case, impl: registry.Impl, pattern: Any, ctx: RankContext,
     if not full:
         return nonfinite_only(whole, tol)
     return oracle_errors(case, pattern, q, k, v, whole, tol, tuple(grads_whole) if grads_whole else None, g)
-
-
-# --- the ranks' parts -> one Record -----------------------------------------------------------------------
-
-def primary_failure(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The failure that explains the others: a rank's own error before a peer's communication error."""
-    failed = [p for p in parts if p.get("status") == "failed"]
-    if not failed:
-        return None
-    return min(failed, key=lambda p: (bool(p.get("comm_error")), PHASES.index(p.get("phase", "start"))
-                                      if p.get("phase") in PHASES else 0, p["rank"]))
-
-
-def assemble_record(task: Task, parts: list[dict[str, Any]], backend: str, started_at: str,
-                    wall_s: float) -> Record:
-    """One Record from every rank's part (all present: failures without a part are the launcher's)."""
-    base: dict[str, Any] = {"case_id": task.case_id, "impl": task.impl, "params": task.params,
-                            "started_at": started_at, "wall_s": wall_s}
-    parts = sorted(parts, key=lambda p: p["rank"])
-    world = len(parts)
-    failure = primary_failure(parts)
-    if failure is not None:
-        return Record(**base, status="failed", reason=f"rank {failure['rank']}: {failure['reason']}",
-                      details=failure.get("details"), setup_s=failure.get("setup_s"))
-    if any(p["status"] == "skipped" for p in parts):
-        return Record(**base, status="skipped", reason=next(p["reason"] for p in parts if p["status"] == "skipped"))
-    root = parts[0]
-    peaks = [p["memory"]["peak_bytes"] for p in parts]
-    known = [b for b in peaks if b is not None]
-    method = root["memory"]["method"]
-    memory = {"peak_bytes": max(known) if known else None, "method": method,
-              "note": f"largest of {world} ranks; per rank: {peaks}",
-              "process": "shared" if method == "rss_hwm" else None}  # each rank after its own timing
-    config = {**root.get("config", {}), "world_size": world, "backend": backend}
-    if task.case.get("device") == "cpu":
-        config["threads_per_rank"] = root.get("threads")
-    time_s = root["time_s"]
-    flops = root["base"]["flops"]
-    comm = comm_info(parts, backend, root.get("expected_bytes"), root.get("expected_by_level"),
-                     str(task.case.get("device")), root.get("expected_matrix"))
-    return Record(**base, **root["base"], status="incorrect" if root["problem"] else "ok", reason=root["problem"],
-                  time_s=time_s, setup_s=max(p["setup_s"] for p in parts), setup=root.get("setup"), memory=memory,
-                  comm=comm, error=root["error"],
-                  device=f"{root['device']} x{world} ranks ({backend})", config=config,
-                  flops_per_s=flops / time_s["median"] if time_s["median"] > 0 else None)
-
-
-def imbalance(values: list[float]) -> float | None:
-    """max / mean: 1 when every rank has as much; None when there is nothing."""
-    total = sum(values)
-    return max(values) / (total / len(values)) if values and total > 0 else None
-
-
-def rank_rows(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The record's comm.per_rank: per rank its bytes, useful FLOPs, memory and times per step.
-
-    comm_s: its ops' time (started ops: in flight), hidden_s: the part that overlapped its compute,
-    exposed_s = comm_s - hidden_s, compute_s = its mean step time - exposed_s (bench.comm, "Overlap").
-    """
-    rows = []
-    for p in parts:
-        ops = p["comm"].values()
-        comm_s = sum(float(s["time_s"]) for s in ops)
-        hidden_s = min(comm_s, sum(float(s.get("hidden_s", 0.0)) for s in ops))
-        step_s = p.get("step_s")
-        rows.append({"rank": p["rank"], "bytes": sum(int(s["bytes_sent"]) for s in ops), "flops": p.get("flops"),
-                     "step_s": step_s, "compute_s": None if step_s is None else max(0.0, step_s - (comm_s - hidden_s)),
-                     "comm_s": comm_s, "hidden_s": hidden_s, "exposed_s": comm_s - hidden_s,
-                     "peak_bytes": p["memory"]["peak_bytes"]})
-    return rows
-
-
-def comm_info(parts: list[dict[str, Any]], backend: str, expected: int | None,
-              expected_by_level: dict[str, int] | None = None, device: str = "cpu",
-              expected_matrix: list[list[int]] | None = None) -> dict[str, Any]:
-    """The record's `comm`: bytes per rank, per op and per level for one step, op times from the slowest rank,
-    each rank's share (per_rank), the imbalance of useful FLOPs and the measured overlap fraction.
-
-    algbw = nccl-tests size / time (the busiest rank's size over the slowest rank's time: a collective ends
-    when its last rank does), busbw = algbw * bus_factor (bench.comm). overlap_fraction = sum over ranks of
-    hidden_s / sum of comm_s (None without communication time).
-    """
-    world = len(parts)
-    per_rank = [sum(int(s["bytes_sent"]) for s in p["comm"].values()) for p in parts]
-    by_op: dict[str, dict[str, Any]] = {}
-    for op in sorted({op for p in parts for op in p["comm"]}):
-        rows = [p["comm"].get(op, {"calls": 0, "bytes_sent": 0, "size_bytes": 0, "time_s": 0.0}) for p in parts]
-        seconds = max(float(r["time_s"]) for r in rows)
-        size = max(int(r["size_bytes"]) for r in rows)
-        algbw = size / seconds / 1e9 if seconds > 0 else None  # GB/s (1e9 bytes), as nccl-tests prints
-        by_op[op] = {"calls": max(int(r["calls"]) for r in rows),
-                     "bytes_total": sum(int(r["bytes_sent"]) for r in rows),
-                     "bytes_max_rank": max(int(r["bytes_sent"]) for r in rows), "time_s": seconds,
-                     "hidden_s": max(float(r.get("hidden_s", 0.0)) for r in rows),
-                     "algbw_gbps": algbw, "busbw_gbps": None if algbw is None else algbw * bus_factor(op, world)}
-    by_level: dict[str, dict[str, Any]] | None = None
-    names = sorted({name for p in parts for name in p.get("levels", {})} | set(expected_by_level or {}))
-    if names:
-        by_level = {}
-        for name in names:
-            sent = [int(p.get("levels", {}).get(name, {}).get("bytes_sent", 0)) for p in parts]
-            by_level[name] = {"calls": max(int(p.get("levels", {}).get(name, {}).get("calls", 0)) for p in parts),
-                              "bytes_total": sum(sent), "bytes_max_rank": max(sent),
-                              "expected_bytes": (expected_by_level or {}).get(name)}
-    ranks = rank_rows(parts)
-    comm_total = sum(r["comm_s"] for r in ranks)
-    flops = [r["flops"] for r in ranks]
-    return {"backend": backend, "bytes_total": sum(per_rank), "bytes_max_rank": max(per_rank), "by_op": by_op,
-            "expected_bytes": expected, "world_size": world, "bytes_per_rank": per_rank, "per_rank": ranks,
-            "imbalance": imbalance(flops) if all(f is not None for f in flops) else None,
-            "overlap_fraction": sum(r["hidden_s"] for r in ranks) / comm_total if comm_total > 0 else None,
-            "overlap_method": "cuda_events" if device.startswith("cuda") else "host", "by_level": by_level,
-            **links(parts, expected_matrix)}
-

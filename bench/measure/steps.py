@@ -20,7 +20,7 @@ from bench.inputs import CaseInputs
 from bench.measure.timing import TimingPolicy
 from bench.patterns import Pattern
 from bench.registry import SetupClock
-from bench.results.records import SetupTimes
+from bench.results.records import FailureKind, SetupTimes
 from bench.selection import get_selector
 from bench.spec.case import Case
 
@@ -161,6 +161,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError) or (oom_type is not None and isinstance(exc, oom_type)):
         return True
     return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    """The failed record's kind for an exception the implementation raised: out_of_memory or error."""
+    return "out_of_memory" if is_out_of_memory(exc) else "error"
 
 
 def release_memory(device: str, torch_module: Any = None) -> None:

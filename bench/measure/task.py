@@ -30,6 +30,7 @@ class MeasureSettings(BaseModel):
     calibrate: bool = False
     memory: Literal["fresh", "worker"] = "fresh"  # where CPU memory is read (bench.run.forkserver)
     attention_stats: bool = False  # the records carry the attention statistics of the case's inputs
+    wait_for_quiet_s: float = 0.0  # before timing, wait up to this long for the CPU pressure to fall
     calibration: Calibration | None = None
 
 

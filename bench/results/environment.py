@@ -113,6 +113,24 @@ FINGERPRINT_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+class LoadAt(BaseModel):
+    """The machine's load at one moment (bench.measure.contention.machine_load)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    load1: float | None = None
+    load5: float | None = None
+    load15: float | None = None
+    usable_cores: int | None = None
+    psi_some_avg10: float | None = None  # share of the last 10 s some task waited for a CPU; null without PSI
+    at: float | None = None  # unix time
+
+
+class RunLoad(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    start: LoadAt | None = None
+    end: LoadAt | None = None
+
+
 class Environment(BaseModel):
     """run.json's `env`."""
 
@@ -127,12 +145,13 @@ class Environment(BaseModel):
     fingerprint: str | None = None
     calibration: Calibration | None = None
     modelled_hardware: dict[str, Any] | None = None  # a modelled run (bench model): the card's datasheet figures
+    load: RunLoad | None = None  # a measured run: the machine's load at its start and end
 
     @model_serializer(mode="wrap")
     def _without_absent_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """run.json has `calibration` and `modelled_hardware` only when the run has them."""
+        """run.json has `calibration`, `modelled_hardware` and `load` only when the run has them."""
         data = handler(self)
-        for optional in ("calibration", "modelled_hardware"):
+        for optional in ("calibration", "modelled_hardware", "load"):
             if data.get(optional) is None:
                 data.pop(optional, None)
         return data

@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,16 @@ from bench.errors import BadInput
 from bench.results.export_ci import FORMATS, to_bencher, to_github_action_benchmark
 from bench.results.records import Record
 from bench.results.store import Run, load_run, write_json_atomic
+from bench.spec.case import Case
 
 CSV_COLUMNS = [
     "run_id", "commit", "suite", "case_id", "impl", "source", "status", "reason", "device", "interpreter",
-    *[f"param.{name}" for name in ("batch", "heads", "head_dim", "seq_len", "dtype", "pattern", "window",
-                                   "density", "block_size", "dilation", "global_tokens", "seed", "mode",
-                                   "checkpoint", "world_size", "device", "kv_heads", "q_len", "documents",
-                                   "prefix", "image_width")],
+    *[f"param.{f.name}" for f in fields(Case)],  # every case field: a new one is a column without an edit here
     "time_median_s", "time_min_s", "time_max_s", "time_mean_s", "time_std_s", "time_q1_s", "time_q3_s", "time_n",
     "time_rel_ci95", "setup_s", "memory_peak_bytes", "memory_method", "comm_backend", "comm_bytes_total",
     "comm_bytes_max_rank", "comm_expected_bytes", "error_rel_l2", "error_max_abs", "error_tolerance",
     "error_rows_checked", "flops", "flops_per_s", "density", "block_density", "fingerprint",
+    "contention_verdict", "contention_cpu_pressure", "contention_load", "contention_cpu_over_wall",
 ]
 
 
@@ -111,7 +111,12 @@ def _row(run: Run, r: Record) -> dict[str, Any]:
         "setup_s": r.setup_s, "flops": r.flops, "flops_per_s": r.flops_per_s, "density": r.density,
         "block_density": r.block_density, "fingerprint": run.info.env.fingerprint,
     }
-    row.update({f"param.{k}": v for k, v in r.params.items() if f"param.{k}" in CSV_COLUMNS})
+    # lists and mappings (documents, kv_lens, inputs) as JSON: one cell each, readable back
+    row.update({f"param.{k}": json.dumps(v) if isinstance(v, list | dict) else v for k, v in r.params.items()
+                if f"param.{k}" in CSV_COLUMNS})
+    if r.contention is not None:
+        row.update({"contention_verdict": r.contention.verdict, "contention_cpu_pressure": r.contention.cpu_pressure,
+                    "contention_load": r.contention.load, "contention_cpu_over_wall": r.contention.cpu_over_wall})
     if t is not None:
         row.update({"time_median_s": t.median, "time_min_s": t.min, "time_max_s": t.max, "time_mean_s": t.mean,
                     "time_std_s": t.std, "time_q1_s": t.q1, "time_q3_s": t.q3, "time_n": t.n,

@@ -260,6 +260,19 @@ class FidelityInfo(BaseModel):
     rows: int
 
 
+class ContentionInfo(BaseModel):
+    """Was the machine busy while the pair was timed (bench.measure.contention): the readings and the verdict."""
+
+    model_config = _STRICT
+    cpu_pressure: float | None = None  # share of the timed wall time some task waited for a CPU (PSI); null: no PSI
+    load: float | None = None  # 1-minute load average over usable cores
+    cpu_over_wall: float | None = None  # the process's CPU seconds per wall second over the timed calls
+    gpu_throttle: list[str] | None = None  # NVML slowing reasons seen (CUDA only)
+    verdict: Literal["quiet", "busy"]
+    reason: str | None = None  # the reading that made it busy
+    waited_s: float | None = None  # measure.wait_for_quiet_s: seconds waited for quiet before the timing
+
+
 class Record(BaseModel):
     model_config = _STRICT
     schema_version: int = SCHEMA_VERSION
@@ -297,6 +310,11 @@ class Record(BaseModel):
     attention_stats: AttentionStats | None = None  # with measure.attention_stats
     selection: SelectionInfo | None = None  # a case with a selector
     fidelity: FidelityInfo | None = None  # a case with a selector
+    contention: ContentionInfo | None = None  # measured pairs: was the machine busy while they were timed
+
+    @property
+    def busy(self) -> bool:
+        return self.contention is not None and self.contention.verdict == "busy"
 
     @model_validator(mode="before")
     @classmethod

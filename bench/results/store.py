@@ -194,6 +194,19 @@ class Run:
     warnings: list[str] = field(default_factory=list)
 
 
+def first_per_pair(records: list[Record]) -> tuple[list[Record], int]:
+    """One record per (case, impl), the first written: the one rule for a run that holds a pair twice (a resume
+    that raced, a shard resubmitted while its first process still ran). Every reader goes through `load_run`
+    or `read_run_records`, which apply it. (kept, dropped)"""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for r in records:
+        if (r.case_id, r.impl) not in seen:
+            seen.add((r.case_id, r.impl))
+            kept.append(r)
+    return kept, len(records) - len(kept)
+
+
 def part_name(index: int, count: int) -> str:
     return f"records.{index}of{count}.jsonl"
 
@@ -211,26 +224,24 @@ def records_files(run_dir: Path) -> list[Path]:
 
 
 def read_run_records(run_dir: Path) -> RecordsFile:
-    """The records of every part of a run as one list, one per (case, impl): where two parts hold the same pair
-    (a shard resubmitted while its first process still ran), the first file's record is kept, with a warning."""
+    """The records of every part of a run as one list, one per (case, impl) by `first_per_pair` (files in
+    `records_files` order), with a warning naming how many later records were set aside."""
     merged = RecordsFile([])
-    seen: set[tuple[str, str]] = set()
+    everything: list[Record] = []
     for path in records_files(run_dir):
         parsed = read_records(path)
         merged.warnings.extend(parsed.warnings)
-        for record in parsed.records:
-            key = (record.case_id, record.impl)
-            if key in seen:
-                merged.warnings.append(f"{path}: a second record of ({record.case_id}, {record.impl}); the first "
-                                       "is kept")
-                continue
-            seen.add(key)
-            merged.records.append(record)
+        everything.extend(parsed.records)
+    merged.records, dropped = first_per_pair(everything)
+    if dropped:
+        merged.warnings.append(f"{run_dir}: {dropped} later records of pairs already recorded were set aside (the "
+                               "first record of a pair counts)")
     return merged
 
 
 def load_run(run_dir: Path) -> Run:
-    """A run directory, validated: run.json and every complete line of its records files (all shards' parts)."""
+    """A run directory, validated: run.json and every complete line of its records files (all shards' parts),
+    one record per pair."""
     run_dir = Path(run_dir)
     info = read_run_info(run_dir)
     parsed = read_run_records(run_dir)

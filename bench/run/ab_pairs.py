@@ -230,7 +230,7 @@ def _open_both(base: Side, new: Side, bp: messages.SuitePair, np_: messages.Suit
             sent.append((side, sp, False))
             continue
         warmup = side.loaded.warmup if side.loaded is not None else 1
-        failed = worker.send({"type": "open", "task": sp.task, "warmup": warmup})
+        failed = worker.send(messages.OpenForwarded(task=sp.task, warmup=warmup))
         if failed is not None:
             side.lost()
         sent.append((side, sp, failed is None))

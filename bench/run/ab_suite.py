@@ -17,7 +17,7 @@ from bench.measure.env import capture
 from bench.measure.task import MeasureSettings
 from bench.results.environment import Calibration
 from bench.run import calibration, messages
-from bench.run.runner import Pair, _backend, plugin_specs, task_for
+from bench.run.tasks import Pair, backend_of, plugin_specs, task_for
 from bench.spec.suite import load_suite
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout this worker's `bench` package lives in
@@ -36,7 +36,7 @@ def _load(request: messages.LoadSuite) -> messages.SuiteLoaded:
     known = registry.names()
     unknown = [name for name in dict.fromkeys(request.impls) if name not in known]
     impls = [name for name in dict.fromkeys(request.impls) if name in known] if request.impls else list(suite.impls)
-    backend = _backend(suite, request.device)
+    backend = backend_of(suite, request.device)
     env = capture(backend=backend)
     stored = calibration.for_run(False, backend, [], Path(request.results), env.fingerprint or "") \
         if request.results else None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.measure.calibrate import MATMUL_DTYPES, QUICK, Settings, calibrate, load
+from bench.run import messages
 from bench.run.child import Child, ChildSide, describe_exit
 
 CALIBRATION_MODULE = "bench.run.calibration"
@@ -23,14 +24,15 @@ def measure_in_child(device: str, dtypes: list[str], timeout_s: float = 900.0) -
     """A quick calibration in a child process (bench.run.child); {"error": ...} instead of raising."""
     child = Child(CALIBRATION_MODULE, ["--device", device, "--quick", "--dtype", ",".join(dtypes)])
     try:
-        answer = child.receive(time.monotonic() + timeout_s)
-        if answer is None:
+        raw = child.receive(time.monotonic() + timeout_s)
+        if raw is None:
             if child.poll() is None:
                 return {"error": f"calibration timed out after {timeout_s:g} s"}
             return {"error": f"calibration failed ({describe_exit(child.wait(1.0))})"}
-        if answer.get("error"):
-            return {"error": f"calibration failed: {answer['error']}"}
-        return {**answer["result"], "source": "measured at the start of this run"}
+        answer = messages.Result.model_validate(raw)
+        if answer.error or answer.result is None:
+            return {"error": f"calibration failed: {answer.error}"}
+        return {**answer.result, "source": "measured at the start of this run"}
     finally:
         child.close(grace_s=5.0)
 
@@ -57,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = calibrate(args.device, args.dtype.split(","), QUICK if args.quick else Settings())
     except Exception as exc:
-        side.send({"type": "result", "error": f"{type(exc).__name__}: {exc}"})
+        side.send(messages.Result(error=f"{type(exc).__name__}: {exc}"))
         return 1
-    side.send({"type": "result", "result": result})
+    side.send(messages.Result(result=result))
     return 0
 
 

@@ -81,9 +81,9 @@ class Child:
         """The pipe this child writes to (for `select` over several children)."""
         return self._result_read
 
-    def send(self, message: BaseModel | dict[str, Any]) -> bool:
-        """Write one message down the task pipe; False when the child is gone."""
-        data = message.model_dump_json() if isinstance(message, BaseModel) else json.dumps(message)
+    def send(self, message: BaseModel) -> bool:
+        """Write one typed message (bench.run.messages) down the task pipe; False when the child is gone."""
+        data = message.model_dump_json()
         try:
             os.write(self._task_write, (data + "\n").encode())
             return True
@@ -141,7 +141,7 @@ class Child:
                     os.close(fd)
         self._task_write = self._result_read = -1
 
-    def close(self, exit_message: dict[str, Any] | None = None, grace_s: float = 10.0) -> None:
+    def close(self, exit_message: BaseModel | None = None, grace_s: float = 10.0) -> None:
         """Ask the child to leave (an exit message, if it takes tasks), wait `grace_s`, then kill its group."""
         if self.proc.poll() is None and exit_message is not None and self._task_write >= 0:
             self.send(exit_message)
@@ -197,8 +197,8 @@ class ChildSide:
             die_with_parent()
         return os.getppid() == self.parent_pid  # False: the parent died before PDEATHSIG was armed
 
-    def send(self, message: BaseModel | dict[str, Any]) -> None:
-        data = message.model_dump_json() if isinstance(message, BaseModel) else json.dumps(message)
+    def send(self, message: BaseModel) -> None:
+        data = message.model_dump_json()
         os.write(self.result_fd, (data + "\n").encode())
 
     def tasks(self) -> Any:

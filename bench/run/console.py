@@ -24,11 +24,15 @@ from bench.format import format_seconds
 from bench.results.records import Record
 from bench.terminal import STATUS_STYLE
 
+BUSY_MARK = "!"  # a time measured while the machine was busy
+
 
 def describe(record: Record) -> str:
     """One line for a finished (case, impl)."""
     if record.status == "ok" and record.time_s:
         extra = " (interpreter)" if record.interpreter else ""
+        if record.busy and record.contention is not None:
+            extra += f" (busy: {record.contention.reason})"
         return f"ok {format_seconds(record.time_s.median)}{roof(record)}{extra}"
     return f"{record.status}: {record.reason}"
 
@@ -94,36 +98,80 @@ class Reporter:
             self._progress.stop()
 
 
-def summary_table(records: Iterable[Record], case_labels: dict[str, str], impls: list[str]) -> Table:
-    """Median time per implementation per case, with the status where a case did not run ok."""
+def _cell(r: Record | None) -> tuple[str, str | None]:
+    """(text, style) of one pair in the summary: its median time (marked), or its status."""
+    if r is None:
+        return "-", None
+    if r.status == "ok" and r.time_s:
+        mark = ("*" if r.interpreter else "") + (BUSY_MARK if r.busy else "")
+        return f"{format_seconds(r.time_s.median)}{mark}", "green"
+    return r.status, STATUS_STYLE[r.status]
+
+
+def summary_table(records: Iterable[Record], case_labels: dict[str, str], impls: list[str],
+                  fold_case: bool = False) -> Table:
+    """Median time per implementation per case, with the status where a case did not run ok. Cells never wrap;
+    `fold_case` folds long case labels (a terminal narrower than a label and one column)."""
+    records = list(records)
     by_pair = {(r.case_id, r.impl): r for r in records}
     table = Table(title="median time per call (status where not ok)", show_lines=False)
-    table.add_column("case", no_wrap=True)
+    table.add_column("case", no_wrap=not fold_case, overflow="fold")
     for name in impls:
-        table.add_column(escape(name), justify="right")
-    interpreter = False
+        table.add_column(escape(name), justify="right", no_wrap=True)
     for case_id, label in case_labels.items():
         cells = []
         for name in impls:
-            r = by_pair.get((case_id, name))
-            if r is None:
-                cells.append("-")
-            elif r.status == "ok" and r.time_s:
-                mark = "*" if r.interpreter else ""
-                interpreter |= r.interpreter
-                cells.append(f"[green]{format_seconds(r.time_s.median)}{mark}[/]")
-            else:
-                cells.append(f"[{STATUS_STYLE[r.status]}]{r.status}[/]")
+            text, style = _cell(by_pair.get((case_id, name)))
+            cells.append(f"[{style}]{escape(text)}[/]" if style else escape(text))
         table.add_row(escape(label), *cells)
-    if interpreter:
-        table.caption = "* Triton interpreter on CPU: correctness only, not kernel speed"
+    shown = [r for r in records if r.impl in impls and r.status == "ok"]
+    captions = ["* Triton interpreter on CPU: correctness only, not kernel speed"] \
+        if any(r.interpreter for r in shown) else []
+    if any(r.busy for r in shown):
+        captions.append(f"{BUSY_MARK} timed while the machine was busy (record's contention): not to be trusted")
+    table.caption = "; ".join(captions) or None
     return table
 
 
+def summary_tables(records: list[Record], case_labels: dict[str, str], impls: list[str], width: int
+                   ) -> list[Table]:
+    """The summary split into tables that fit `width` columns: the case column, then as many implementation
+    columns as fit beside it (each column needs its widest cell plus 3 for padding and its rule), so that no
+    cell is wrapped or cut and no column is dropped."""
+    by_pair = {(r.case_id, r.impl): r for r in records}
+    case_w = max([len("case"), *(len(label) for label in case_labels.values())]) + 3
+    fold = case_w + 1 + 12 > width  # not even one short column beside the labels: fold them
+    case_w = min(case_w, max(12, width // 2)) if fold else case_w
+    groups: list[list[str]] = [[]]
+    used = 1 + case_w
+    for name in impls:
+        w = max([len(name), *(len(_cell(by_pair.get((c, name)))[0]) for c in case_labels)]) + 3
+        if groups[-1] and used + w > width:
+            groups.append([])
+            used = 1 + case_w
+        groups[-1].append(name)
+        used += w
+    return [summary_table(records, case_labels, group, fold_case=fold) for group in groups if group]
+
+
+def busy_line(records: list[Record]) -> str | None:
+    """`3 of 12 measured pairs were timed on a busy machine`, or None when none was."""
+    measured = [r for r in records if r.contention is not None]
+    busy = sum(r.busy for r in measured)
+    if not busy:
+        return None
+    return f"{busy} of {len(measured)} measured pairs were timed on a busy machine (marked {BUSY_MARK}); their times " \
+           "are not to be trusted"
+
+
 def print_summary(console: Console, records: list[Record], case_labels: dict[str, str], impls: list[str]) -> None:
-    console.print(summary_table(records, case_labels, impls))
+    for table in summary_tables(records, case_labels, impls, console.width):
+        console.print(table)
     counts = {s: sum(r.status == s for r in records) for s in STATUS_STYLE}
     console.print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    line = busy_line(records)
+    if line is not None:
+        console.print(f"[yellow]{line}[/]", highlight=False)
     for r in records:
         if r.status in ("failed", "incorrect"):
             console.print(f"[{STATUS_STYLE[r.status]}]{r.status}[/] {escape(r.case_id)} {escape(r.impl)}: "

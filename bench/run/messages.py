@@ -218,6 +218,31 @@ class MeasureRanks(BaseModel):
     log: str | None = None  # the ranks' log file
 
 
+# --- from `bench ab`'s parent: another checkout's task, forwarded unread ---
+# The parent cannot validate a task with its own Task model (the other side's may have other fields); these
+# serialise exactly as Open, Measure and MeasureRanks, which the worker validates with its own code.
+
+
+class OpenForwarded(BaseModel):
+    model_config = _STRICT
+    type: Literal["open"] = "open"
+    task: dict[str, Any]
+    warmup: int = 1
+
+
+class MeasureForwarded(BaseModel):
+    model_config = _STRICT
+    type: Literal["measure"] = "measure"
+    task: dict[str, Any]
+
+
+class MeasureRanksForwarded(BaseModel):
+    model_config = _STRICT
+    type: Literal["measure_ranks"] = "measure_ranks"
+    task: dict[str, Any]
+    log: str | None = None
+
+
 class Watch(BaseModel):
     """To the janitor (bench.run.janitor): when the parent's pipe closes, remove `path` - a git worktree of
     `repo` (`git worktree remove --force`, then `prune`), or a plain directory when `repo` is None."""

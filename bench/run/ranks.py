@@ -33,9 +33,9 @@ from typing import Any
 
 from bench import registry
 from bench.errors import BadInput
-from bench.measure.steps import describe_failure
+from bench.measure.steps import describe_failure, failure_kind
 from bench.measure.task import Task
-from bench.results.records import Record
+from bench.results.records import FailureKind, Record
 from bench.results.store import utc_now
 from bench.run import messages
 from bench.run.child import STARTUP_TIMEOUT_S, Child, ChildSide, describe_exit
@@ -87,15 +87,14 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
     """Measure one (case, impl) over case.world_size rank processes; always returns a Record."""
     import torch.distributed as dist
 
-    from bench.measure.rank import assemble_record
+    from bench.measure.rank_record import assemble_record
 
     started, t_start = utc_now(), time.perf_counter()
     world, device = int(task.case["world_size"]), str(task.case["device"])
 
-    def finish(status: str, reason: str, details: str | None = None) -> Record:
+    def finish(status: str, reason: str, failure: FailureKind | None = None) -> Record:
         return Record(case_id=task.case_id, impl=task.impl, params=task.params, status=status, reason=reason,
-                      details=details, started_at=started, wall_s=time.perf_counter() - t_start,
-                      failure="error" if status == "failed" else None)
+                      started_at=started, wall_s=time.perf_counter() - t_start, failure=failure)
 
     impl = registry.get(task.impl)
     why = launch_problem(world, device) or impl.unavailable() or impl.unsupported(Case(**task.case))
@@ -108,7 +107,7 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
     try:
         failure = _watch(ranks, timeout_s)
         if failure is not None:
-            return finish("failed", failure)
+            return finish("failed", *failure)
         parts = [r.part for r in ranks if r.part is not None]
         return assemble_record(task, parts, backend_for(device), started, time.perf_counter() - t_start)
     finally:
@@ -141,8 +140,9 @@ def simulated_ranks_per_node() -> int | None:
     return int(text)
 
 
-def _watch(ranks: list[_Rank], timeout_s: float) -> str | None:
-    """Follow the ranks until each has sent its part; the failure's reason, or None."""
+def _watch(ranks: list[_Rank], timeout_s: float) -> tuple[str, FailureKind] | None:
+    """Follow the ranks until each has sent its part; the failure's reason and kind (as the worker's: startup,
+    died, timeout), or None when every rank sent its part (a rank's own failure is in its part)."""
     world = len(ranks)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     started_clock = False
@@ -150,14 +150,15 @@ def _watch(ranks: list[_Rank], timeout_s: float) -> str | None:
     while True:
         unable = [r for r in ranks if r.start_error]
         if unable:
-            return f"rank {unable[0].rank} could not start: {unable[0].start_error}; all {world} ranks killed"
+            first = unable[0]
+            return f"rank {first.rank} could not start: {first.start_error}; all {world} ranks killed", "startup"
         if not started_clock and all(r.ready for r in ranks):
             deadline, started_clock = time.monotonic() + timeout_s, True  # the case's clock starts now
         dead = [r for r in ranks if r.child.closed and r.part is None]
         if dead:  # a death explains its peers' communication errors, never the other way round
             r = dead[0]
             code = r.child.wait(1.0)
-            return f"rank {r.rank} died during {r.phase} ({describe_exit(code)}); all {world} ranks killed"
+            return f"rank {r.rank} died during {r.phase} ({describe_exit(code)}); all {world} ranks killed", "died"
         parts = [r.part for r in ranks if r.part is not None]
         failed = [p for p in parts if p["status"] == "failed"]
         if failed:
@@ -171,8 +172,9 @@ def _watch(ranks: list[_Rank], timeout_s: float) -> str | None:
         if remaining <= 0:
             if not started_clock:
                 slow = [r.rank for r in ranks if not r.ready]
-                return f"rank(s) {slow} did not start within {STARTUP_TIMEOUT_S:g} s; all {world} ranks killed"
-            return _timeout_reason(ranks, timeout_s)
+                return f"rank(s) {slow} did not start within {STARTUP_TIMEOUT_S:g} s; all {world} ranks killed", \
+                    "startup"
+            return _timeout_reason(ranks, timeout_s), "timeout"
         wait = min(remaining, 0.2 if failed else 1.0)
         open_fds = [r.child.fd for r in ranks if not r.child.closed]
         readable, _, _ = select.select(open_fds, [], [], wait) if open_fds else ([], [], [])
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         part = measure_on_rank(task, ctx, lambda p: side.send(messages.PhaseChanged(phase=p)))
     except Exception as exc:
         reason, details = describe_failure(phase, exc)
-        part = {"rank": rank, "status": "failed", "reason": reason, "details": details, "phase": phase}
+        part = {"rank": rank, "status": "failed", "reason": reason, "details": details, "phase": phase,
+                "failure": failure_kind(exc)}
     side.send(messages.RankPart(part=part))
     if part["status"] == "failed":
         os._exit(1)  # the group may be broken; the runner ends the other ranks

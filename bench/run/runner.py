@@ -10,6 +10,7 @@ missing.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,10 +22,11 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput
+from bench.measure.contention import machine_load
 from bench.measure.env import capture, git_info
 from bench.measure.task import MeasureSettings, Task
-from bench.results.environment import Calibration
-from bench.results.records import FailureKind, Record, RunInfo, SuiteInfo
+from bench.results.environment import Calibration, LoadAt, RunLoad
+from bench.results.records import Record, RunInfo, SuiteInfo
 from bench.results.store import (
     RECORDS,
     RUN_JSON,
@@ -40,8 +42,9 @@ from bench.run import calibration, shards, torchrun
 from bench.run.console import Reporter, print_summary
 from bench.run.ranks import run_pair, simulated_ranks_per_node
 from bench.run.shards import PartLock, ShardSpec
+from bench.run.tasks import Pair, backend_of, failed_record, plugin_specs, select_impls, task_for
 from bench.run.worker import WorkerProcess, WorkerStartError
-from bench.spec.case import Case, resolve_device
+from bench.spec.case import resolve_device
 from bench.spec.suite import Suite, load_suite
 
 
@@ -56,44 +59,6 @@ class RunOptions:
     shard: ShardSpec | None = None  # --shard I/N: this process measures that part of the pairs
     run_id: str | None = None  # --run-id: the run the shards share
     rank_group_shards: bool = False  # --rank-group-shards: each world size above 1 a shard of its own, first
-
-
-@dataclass
-class Pair:
-    case: Case  # as written in the suite (device may be "auto")
-    impl: str
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.case.case_id, self.impl)
-
-
-def select_impls(suite: Suite, wanted: list[str]) -> list[str]:
-    if not wanted:
-        return list(suite.impls)
-    known = registry.names()
-    for name in wanted:
-        if name not in known:
-            raise BadInput(f"got {name!r}; known implementations: {', '.join(sorted(known))}", field="--impl")
-    return list(dict.fromkeys(wanted))
-
-
-def resolved(case: Case, device_override: str | None) -> Case:
-    return case.with_device(resolve_device(device_override or case.device))
-
-
-def failed_record(pair: Pair, reason: str, started: str, kind: FailureKind) -> Record:
-    return Record(case_id=pair.case.case_id, impl=pair.impl, params=pair.case.params(), status="failed",
-                  reason=reason, started_at=started, failure=kind)
-
-
-def task_for(pair: Pair, device: str | None, settings: MeasureSettings) -> Task:
-    return Task.of(resolved(pair.case, device), pair.impl, settings, written=pair.case)
-
-
-def plugin_specs(suite: Suite) -> list[tuple[str, str | None]]:
-    """(spec, directory it is relative to) of each plugin, as children load them."""
-    return [(spec, str(suite.path.parent) if suite.path else None) for spec in suite.plugins]
 
 
 class PairMeasurer:
@@ -139,7 +104,7 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
         _print_plan(console, suite, impls, options.device, len(pairs) if options.shard else None)
         return 0
 
-    session = torchrun.Session(suite.measure.timeout_s, _backend(suite, options.device) == "cuda") \
+    session = torchrun.Session(suite.measure.timeout_s, backend_of(suite, options.device) == "cuda") \
         if torchrun.launched() else None
     if session is not None and not session.leader:
         return session.follow()  # the leader (rank 0) announces each pair and writes every record
@@ -165,6 +130,8 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     settings = MeasureSettings(**suite.measure.model_dump(), calibration=read_run_info(run_dir).env.calibration)
     _build_ahead(impls, todo, options.device, console)
     reporter = Reporter(len(todo), console)
+    previous_run_dir = os.environ.get(registry.RUN_DIR_ENV)
+    os.environ[registry.RUN_DIR_ENV] = str(run_dir)  # children inherit it: logs they write belong to the run
     new_records: list[Record] = []
     measurer = PairMeasurer(plugins, run_dir / "worker.log", suite.measure.timeout_s)
     try:
@@ -191,6 +158,10 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
             session.finish()
         if part_lock is not None:
             part_lock.release()
+        if previous_run_dir is None:
+            os.environ.pop(registry.RUN_DIR_ENV, None)
+        else:
+            os.environ[registry.RUN_DIR_ENV] = previous_run_dir
 
     _finish(run_dir, every_pair if options.shard is not None else None)
     all_records = existing + new_records
@@ -219,8 +190,10 @@ def _finish(run_dir: Path, every_pair: set[tuple[str, str]] | None) -> None:
             if not every_pair <= held:
                 return
         info = read_run_info(run_dir)
-        write_json_atomic(run_dir / RUN_JSON, {**info.model_dump(mode="json", by_alias=True),
-                                               "finished_at": utc_now()})
+        load = {**(info.env.load.model_dump(mode="json") if info.env.load else {}), "end": machine_load()}
+        env = info.env.model_copy(update={"load": RunLoad.model_validate(load)})
+        finished = info.model_copy(update={"env": env}).model_dump(mode="json", by_alias=True)
+        write_json_atomic(run_dir / RUN_JSON, {**finished, "finished_at": utc_now()})
 
 
 def _join_shard_run(options: RunOptions, suite: Suite, console: Console) -> Path:
@@ -252,8 +225,9 @@ def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
 
 
 def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id: str, run_dir: Path) -> None:
-    backend = _backend(suite, options.device)
+    backend = backend_of(suite, options.device)
     env = capture(backend=backend)
+    env = env.model_copy(update={"load": RunLoad(start=LoadAt.model_validate(machine_load()))})
     if suite.measure.calibrate:
         console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
     dtypes = sorted({c.dtype for c in suite.cases})
@@ -266,11 +240,6 @@ def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id:
     info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=suite_file, content=suite.content),
                    started_at=utc_now(), finished_at=None, env=env, command=sys.argv[1:] or None)
     write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json", by_alias=True))
-
-
-def _backend(suite: Suite, device_override: str | None) -> str:
-    devices = {resolve_device(device_override or c.device) for c in suite.cases}
-    return "cuda" if "cuda" in devices else "cpu"
 
 
 def _check_same_suite(run_dir: Path, suite: Suite, option: str) -> None:

@@ -87,7 +87,7 @@ class Session:
         if world == 1:
             return None
         parts = self._run(task)
-        from bench.measure.rank import assemble_record
+        from bench.measure.rank_record import assemble_record
 
         return assemble_record(task, [p for p in parts if p is not None],
                                backend_for(str(task.case["device"])), started, time.perf_counter() - t0)
@@ -133,7 +133,7 @@ class Session:
                 from bench.measure.rank import RankContext, measure_on_rank
 
                 ctx = RankContext(dist.get_rank(group), world, group, control, backend, device)
-                part = measure_on_rank(task, ctx)
+                part = dict(measure_on_rank(task, ctx))
             except Exception as exc:
                 reason, details = describe_failure("start", exc)
                 part = {"rank": self.rank, "status": "failed", "reason": reason, "details": details}

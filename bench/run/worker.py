@@ -84,7 +84,7 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.child.pid
 
-    def _ask(self, message: BaseModel | dict[str, Any], timeout_s: float, want: type, phase: str = "start"
+    def _ask(self, message: BaseModel, timeout_s: float, want: type, phase: str = "start"
              ) -> tuple[Any, Outcome]:
         """Send `message`; (the answer of type `want`, or None with the Outcome saying why) within timeout_s.
 
@@ -95,13 +95,13 @@ class WorkerProcess:
             return None, failed
         return self.await_answer(timeout_s, want, phase)
 
-    def send(self, message: BaseModel | dict[str, Any], phase: str = "start") -> Outcome | None:
+    def send(self, message: BaseModel, phase: str = "start") -> Outcome | None:
         """Send one message without waiting (`await_answer` then reads the answer); an Outcome if it died."""
         if self.child.send(message):
             return None
         code = self.child.poll()
         self.child.kill()
-        kind = message.get("type") if isinstance(message, dict) else getattr(message, "type", "message")
+        kind = getattr(message, "type", "message")
         return Outcome(None, f"worker process died before the {kind} started ({describe_exit(code)})", phase, "died")
 
     def await_answer(self, timeout_s: float, want: type, phase: str = "start") -> tuple[Any, Outcome]:
@@ -155,7 +155,7 @@ class WorkerProcess:
 
     def open_json(self, task: dict[str, Any], timeout_s: float, warmup: int = 1) -> tuple[bool, Outcome]:
         """As `open`, for a task given as JSON (another checkout's Task)."""
-        answer, outcome = self._ask({"type": "open", "task": task, "warmup": warmup}, timeout_s, messages.Opened)
+        answer, outcome = self._ask(messages.OpenForwarded(task=task, warmup=warmup), timeout_s, messages.Opened)
         return answer is not None and answer.record is None, outcome
 
     def warm(self, calls: int, min_s: float, timeout_s: float) -> Outcome | None:
@@ -169,11 +169,11 @@ class WorkerProcess:
 
     def measure_json(self, task: dict[str, Any], timeout_s: float) -> Outcome:
         """As `run`, for a task given as JSON."""
-        return self._ask({"type": "measure", "task": task}, timeout_s, messages.RecordDone)[1]
+        return self._ask(messages.MeasureForwarded(task=task), timeout_s, messages.RecordDone)[1]
 
     def measure_ranks_json(self, task: dict[str, Any], timeout_s: float, log: Path | None = None) -> Outcome:
         """A distributed pair measured by rank processes this worker starts (so they run its checkout)."""
-        message = {"type": "measure_ranks", "task": task, "log": str(log) if log else None}
+        message = messages.MeasureRanksForwarded(task=task, log=str(log) if log else None)
         return self._ask(message, timeout_s, messages.RecordDone, "ranks")[1]
 
     def kill(self) -> None:
@@ -181,7 +181,7 @@ class WorkerProcess:
 
     def close(self) -> None:
         """Ask the worker to exit; kill it if it does not within a few seconds."""
-        self.child.close(messages.Exit().model_dump())
+        self.child.close(messages.Exit())
 
 
 def _parse(obj: dict[str, Any] | None) -> Any:

@@ -130,7 +130,7 @@ class Worktrees:
         git(self.repo, "worktree", "prune")
         shutil.rmtree(self.tmp, ignore_errors=True)
         if self._janitor is not None:
-            self._janitor.close(messages.Exit().model_dump(), grace_s=30.0)
+            self._janitor.close(messages.Exit(), grace_s=30.0)
             self._janitor = None
 
 

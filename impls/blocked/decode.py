@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from impls.blocked.kernel import KERNEL_DTYPES, build_extension
+from impls.blocked.kernel import KERNEL_DTYPES, build_extension, build_failure
 
 DECODE_ROWS = 16  # q_len the decode path takes (a few queries: decode, speculative decoding)
 HEAD_DIM_MULTIPLE = 32  # the loops read two float vectors of the head dimension at a time (2 x 16 on AVX512)
@@ -36,7 +36,7 @@ def decode_module() -> Any:
             try:
                 _module = build_extension(_SOURCE, "blocked_decode_kernel")
             except Exception as exc:  # no compiler, no ninja, a build error: the other paths remain
-                _unavailable = f"the decode kernel could not be built ({type(exc).__name__}: {str(exc)[-300:]})"
+                _unavailable = build_failure("the decode kernel", "blocked_decode_kernel", exc)
     return _module
 
 

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bench.registry import artifact_path
+
 # float16: oneDNN's ukernel here takes it unpacked (pack() refuses: "No need to pack"), a layout not written yet.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # head_dim and block_size are multiples of this: oneDNN packs 16-bit B operands in whole 16-column groups
@@ -82,6 +84,16 @@ def _build() -> Any:
     return build_extension(_SOURCE, "blocked_cpu_kernel")
 
 
+def build_failure(what: str, stem: str, exc: Exception) -> str:
+    """The reason a build failed, short enough for a record: its first error line, and where the whole compiler
+    log is kept (the run directory under `bench run`): the last few hundred characters rarely held the cause."""
+    log = artifact_path(f"{stem}-build-error.log")
+    log.write_text(f"{type(exc).__name__} while building {what} with torch {torch.__version__}\n\n{exc}\n")
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    first = next((ln for ln in lines if "error" in ln.lower() and ln != lines[0]), lines[0] if lines else "")
+    return f"{what} could not be built ({type(exc).__name__}: {first[:200]}); the whole compiler log: {log}"
+
+
 def kernel_module() -> Any:
     """The compiled kernel, or None when it could not be built (`unavailable_reason` says why)."""
     global _module, _unavailable
@@ -90,7 +102,7 @@ def kernel_module() -> Any:
             try:
                 _module = _build()
             except Exception as exc:  # no compiler, no ninja, a build error: the torch-op paths remain
-                _unavailable = f"the CPU kernel could not be built ({type(exc).__name__}: {str(exc)[-300:]})"
+                _unavailable = build_failure("the CPU kernel", "blocked_cpu_kernel", exc)
     return _module
 
 

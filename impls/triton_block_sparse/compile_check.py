@@ -7,7 +7,7 @@ The interpreter proves the kernels' arithmetic; this proves what it cannot - tha
 (types, layouts, pipelining) down to a cubin for a GPU architecture, for every candidate tile configuration,
 and how much shared memory each needs against that architecture's per-block limit. Nothing runs on a GPU,
 so no speed comes out of it. It must run in a process of its own: the kernels are built compiled here,
-while a process without CUDA builds them for the interpreter (launch.kernels()).
+while a process without CUDA builds them for the interpreter (mode.kernels()).
 
 Arguments are specialised the way a real launch specialises them (tools/compile.py in Triton does the
 same): strides of 1 are constants, pointers and the row strides of (B, H, N, D) tensors are 16-divisible.
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-kind", type=int, action="append", choices=range(5),
                         help="tables.MASK_* value (repeatable; default 4, the bitmask, the largest kernel)")
     args = parser.parse_args(argv)
-    from impls.triton_block_sparse import launch
+    from impls.triton_block_sparse import mode
 
-    if launch.uses_interpreter():
+    if mode.uses_interpreter():
         print("compile_check needs compiled kernels: run it with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     results = check(args.arch or [90], args.head_dim, args.dtype, args.mask_kind or [4])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from bench.registry import Impl, register
-from impls.triton_block_sparse import launch
+from impls.triton_block_sparse import launch, mode
 
 
 @register
@@ -34,7 +34,7 @@ class TritonBlockSparse(Impl):
                    f"(got {case.batch * case.heads})"
         # No limit on kv_heads, q_len, documents or custom patterns: programs read KV head h // G through the
         # strides, the tables are of the q_len x seq_len matrix, and what has no exact formula gets bitmasks.
-        if case.device == "cpu" and not launch.uses_interpreter():
+        if case.device == "cpu" and not mode.uses_interpreter():
             return (f"{self.name} runs compiled kernels on CUDA tensors in this process; for CPU tensors set "
                     "TRITON_INTERPRET=1 (the Triton interpreter: correctness only, not kernel speed)")
         return None
@@ -42,7 +42,7 @@ class TritonBlockSparse(Impl):
     def tf32(self, case) -> bool:
         # Compiled tl.dot takes float32 operands as TF32 (its default input_precision); the interpreter
         # multiplies in full float32.
-        return case.dtype == "float32" and not launch.uses_interpreter()
+        return case.dtype == "float32" and not mode.uses_interpreter()
 
     def prepare(self, case, pattern, q, k, v):
         needs_grad = any(t.requires_grad for t in (q, k, v))

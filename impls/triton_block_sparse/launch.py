@@ -1,25 +1,16 @@
-"""Launching the kernels: interpreter or compiled, tile configurations and their autotuning, autograd.
+"""Launching the kernels: tile configurations and their autotuning, autograd.
 
 `plan_attention` does the untimed work of a case - lookup tables, mask choice, and on a GPU the choice of tile
 configuration per kernel by timing each candidate - and `BlockSparseAttention.apply(q, k, v, plan)` is the
-timed, differentiable call.
-
-Interpreter or compiled is decided once per process: without CUDA (or with TRITON_INTERPRET=1 already set)
-the kernels are built as Triton interpreter functions, which run on CPU tensors. Triton reads TRITON_INTERPRET
-when `@triton.jit` runs - for its own library functions (tl.zeros, ...) when triton.language is first
-imported - and its interpreter reads it again while launching, so in interpreter mode it is set for the rest of
-the process, as early as the package import (`choose_mode_before_triton_imports`).
+timed, differentiable call. Interpreter or compiled: `mode`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,6 +18,7 @@ from torch import Tensor
 
 from bench.registry import setup_phase
 from impls.triton_block_sparse import tables as tbl
+from impls.triton_block_sparse.mode import _is_interpreted, kernels, uses_interpreter
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs K >= 16; above 128 the tiles outgrow shared memory
@@ -60,58 +52,6 @@ DQ_CONFIGS = (TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(12
 INTERPRETER_CONFIG = TileConfig(128, 128, 4, 1)
 PREPROCESS_BLOCK = 64
 TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # triton.testing.do_bench per candidate: enough to rank tile shapes
-
-_kernels: ModuleType | None = None
-
-
-def uses_interpreter() -> bool:
-    """Whether this process runs (or will run) the kernels in the Triton interpreter."""
-    if _kernels is not None:
-        return _is_interpreted(_kernels)
-    interpret_env = os.environ.get("TRITON_INTERPRET", "").strip().lower()
-    if interpret_env in ("0", "false", "off", "no"):  # compiled kernels asked for (compile_check without a GPU)
-        return False
-    return interpret_env in ("1", "true", "on", "yes") or not torch.cuda.is_available()
-
-
-def choose_mode_before_triton_imports() -> None:
-    """Set TRITON_INTERPRET=1 now when this process will need the interpreter and triton is not yet imported."""
-    if "triton" not in sys.modules and uses_interpreter():
-        os.environ["TRITON_INTERPRET"] = "1"
-
-
-def kernels() -> ModuleType:
-    """The kernels module, imported on first use as interpreter functions when `uses_interpreter()`."""
-    global _kernels
-    if _kernels is None:
-        if uses_interpreter():
-            os.environ["TRITON_INTERPRET"] = "1"
-            _require_interpreted_library()
-        from impls.triton_block_sparse import kernels as module
-
-        _kernels = module
-    return _kernels
-
-
-def _require_interpreted_library() -> None:
-    """Triton imported before TRITON_INTERPRET=1 was set has compiled-mode library functions the interpreter
-    cannot call ("Cannot call @triton.jit'd outside of the scope of a kernel"): say so instead."""
-    if "triton.language" not in sys.modules:
-        return
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.zeros, InterpretedFunction):
-        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET=1 was set, so its library "
-                           "functions are compiled-mode and the interpreter cannot run them: import impls (or set "
-                           "TRITON_INTERPRET=1) before anything imports triton")
-
-
-def _is_interpreted(module: ModuleType) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(module.attn_fwd, InterpretedFunction)
-
 
 def padded_head_dim(head_dim: int) -> int:
     return max(MIN_HEAD_DIM, 1 << (head_dim - 1).bit_length())

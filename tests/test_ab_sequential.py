@@ -1,0 +1,62 @@
+"""`bench ab` beyond one pair: the sequential rule's error rates by simulation (seeded, fast), and a verdict per
+implementation across its cases beside the per-pair ones."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+from bench.analysis import ab_stats as st
+from bench.analysis.ab import compare_ab
+from bench.analysis.ab_sequential import look_levels, obf_spent, sequential_decision
+from tests.test_ab_stats import measurement
+
+LOOKS = [15, 20, 25, 30]  # rounds at each look: R, then rounds added while the verdict is open
+
+
+def simulated_p_values(rng: np.random.Generator, effect: float, sims: int, sigma: float = 0.05) -> np.ndarray:
+    """(sims, looks) two-sided signed-rank p-values of per-round log ratios seen at each look."""
+    d = rng.normal(effect, sigma, size=(sims, LOOKS[-1]))
+    return np.array([[stats.wilcoxon(row[:n]).pvalue for n in LOOKS] for row in d])
+
+
+def test_spending_adds_up_to_alpha_and_spends_little_early():
+    levels = look_levels(LOOKS, 0.05)
+    assert abs(sum(levels) - 0.05) < 1e-12 and all(lv > 0 for lv in levels)
+    assert levels[0] < 0.05 / 2  # O'Brien-Fleming keeps most of alpha for the last look
+    assert abs(obf_spent(1.0, 0.05) - 0.05) < 1e-12 and obf_spent(0.5, 0.05) < 0.01
+
+
+def test_the_false_alarm_rate_over_all_looks_stays_under_alpha():
+    rng = np.random.default_rng(20261202)
+    p = simulated_p_values(rng, 0.0, 600)
+    rejected = np.mean([sequential_decision(row, LOOKS, 0.05) is not None for row in p])
+    looking_naively = np.mean((p < 0.05).any(axis=1))  # testing at 5% at every look, for contrast
+    assert rejected <= 0.05 + 0.02, rejected  # 0.05 plus ~2.5 standard errors of 600 draws
+    assert looking_naively > rejected
+
+
+def test_a_real_change_is_decided_early_and_almost_always():
+    rng = np.random.default_rng(7)
+    p = simulated_p_values(rng, np.log(1.10), 200)
+    looks = [sequential_decision(row, LOOKS, 0.05) for row in p]
+    assert np.mean([k is not None for k in looks]) >= 0.95
+    assert np.mean([k == 0 for k in looks]) >= 0.8  # most at the first look: no rounds added
+
+
+def test_an_implementation_gets_its_own_verdict_across_its_cases():
+    ratios = {(f"c{i}", "blocked"): 1.10 for i in range(6)}
+    ratios.update({(f"c{i}", "dense"): 1.0 for i in range(6)})
+    result = compare_ab(measurement(ratios, seed=11))
+    by_impl = {v.impl: v for v in result.impls}
+    assert by_impl["blocked"].verdict == st.SLOWER and 1.07 < by_impl["blocked"].ratio < 1.13
+    assert by_impl["dense"].verdict == st.SAME
+    doc = result.to_json()
+    assert {d["impl"]: d["verdict"] for d in doc["impls"]} == {"blocked": "SLOWER", "dense": "SAME"}
+
+
+def test_a_small_change_no_pair_proves_alone_is_seen_in_the_implementation():
+    ratios = {(f"c{i}", "blocked"): 1.07 for i in range(12)}
+    result = compare_ab(measurement(ratios, seed=5, n_rounds=8, sigma=0.08))
+    (verdict,) = result.impls
+    assert verdict.p_value < 0.05 and verdict.ratio > 1.05

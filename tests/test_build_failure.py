@@ -1,0 +1,27 @@
+"""A C++ kernel that fails to build keeps its whole compiler log where the user can read it (the run directory
+under `bench run`), and the record's reason names the first error and points to the log (it kept only the last 300
+characters before, which rarely held the cause)."""
+
+from __future__ import annotations
+
+from impls.blocked import kernel
+
+
+def test_a_failed_build_keeps_the_whole_log_and_points_to_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_RUN_DIR", str(tmp_path))
+    log = "Error building extension 'blocked_cpu_kernel':\n[1/2] c++ -c kernel.cpp\n" + \
+        "kernel.cpp:25:34: error: 'brgemm' is not a member of 'at::native::cpublas'\n" + "note: context\n" * 400
+
+    def failing_build(source, stem):
+        raise RuntimeError(log)
+
+    monkeypatch.setattr(kernel, "build_extension", failing_build)
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_unavailable", None)
+    assert kernel.kernel_module() is None
+    reason = kernel._unavailable
+    assert reason is not None
+    saved = tmp_path / "blocked_cpu_kernel-build-error.log"
+    assert "error: 'brgemm' is not a member of 'at::native::cpublas'" in reason
+    assert reason.endswith(f"the whole compiler log: {saved}")
+    assert log in saved.read_text()  # all of it, not its tail
