@@ -27,6 +27,16 @@ from bench.patterns.builtin import (
 from bench.patterns.documents import document_lengths
 from bench.patterns.hashing import hash_keep, keep_threshold, seed_key
 from bench.patterns.registry import PATTERNS, MaskModPattern, make_pattern, register_mask_mod, register_pattern
+from bench.patterns.score_mods import (
+    SCORE_MODS,
+    ScoreMod,
+    ScoreModError,
+    alibi_slopes,
+    make_score_mod,
+    register_score_mod,
+    score_mod_names,
+    t5_bucket,
+)
 from bench.patterns.views import BlockSparse
 
 __all__ = [
@@ -34,4 +44,6 @@ __all__ = [
     "CausalLocal", "Dense", "Dilated", "Local", "Longformer", "MaskModPattern", "Neighborhood", "Pattern",
     "PatternError", "PrefixLM", "Random", "Sink", "Strided", "document_lengths", "hash_keep", "keep_threshold",
     "make_pattern", "register_mask_mod", "register_pattern", "seed_key",
+    "SCORE_MODS", "ScoreMod", "ScoreModError", "alibi_slopes", "make_score_mod", "register_score_mod",
+    "score_mod_names", "t5_bucket",
 ]
