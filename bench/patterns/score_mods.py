@@ -97,7 +97,14 @@ class ScoreMod:
         """The modified scores: `scores` (..., c, n) float with `h` (query heads), `i` (absolute query positions)
         and `j` (key positions) int64 tensors broadcastable to it."""
         zero = torch.zeros((), dtype=torch.int64, device=scores.device)
-        return self.fn(scores, zero, h.to(scores.device), (i - self.q_offset).to(scores.device), j.to(scores.device))
+        args = (scores, zero, h.to(scores.device), (i - self.q_offset).to(scores.device), j.to(scores.device))
+        if self.kind != "custom":
+            return self.fn(*args)
+        try:
+            return self.fn(*args)
+        except Exception as exc:  # a plugin's code: the record names it
+            raise RuntimeError(f"score_mod {self.name} ({SCORE_MODS[self.name].source}) raised "
+                               f"{type(exc).__name__}: {exc}") from None
 
     def bias(self, heads: int, i: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
         """An additive modification as a (heads, len(i), len(j)) float tensor."""
@@ -193,8 +200,7 @@ def probe(mod: ScoreMod, heads: int, seq_len: int) -> None:
     try:
         out = mod.apply(scores, h, i, j)
     except Exception as exc:
-        raise ScoreModError(f"score_mod {mod.name} ({SCORE_MODS[mod.name].source}) raised {type(exc).__name__}: "
-                            f"{exc}") from None
+        raise ScoreModError(str(exc)) from None
     if not isinstance(out, Tensor) or not out.is_floating_point() or out.shape != scores.shape:
         raise ScoreModError(f"score_mod {mod.name} returned {type(out).__name__} "
                             f"{tuple(getattr(out, 'shape', ()))}; a score_mod returns float scores of the input's "
