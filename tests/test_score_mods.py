@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel on CPU tenso
 import impls  # noqa: E402, F401 - registers the implementations
 from bench import registry  # noqa: E402
 from bench.api import attention  # noqa: E402
+from bench.cli import main  # noqa: E402
 from bench.errors import Unavailable  # noqa: E402
 from bench.measure.reference import compare, reference_attention, tolerance_for  # noqa: E402
 from bench.patterns import alibi_slopes, make_pattern, make_score_mod, t5_bucket  # noqa: E402
@@ -228,13 +229,14 @@ BASE = {"name": "mods", "impls": ["dense"], "defaults": {"heads": 2, "head_dim":
     ({"score_mod": "bad_factory"}, "defaults.score_mod", "its factory (plugin bad_score_mods.py) raised"),
     ({"score_mod": "alibi", "selector": "moba", "budget": 1}, "defaults.score_mod", "with selector 'moba'"),
 ])
-def test_bad_modifications_exit_2_at_load(defaults, field, fragment, tmp_path):
+def test_bad_modifications_exit_2_at_load(defaults, field, fragment, tmp_path, capsys):
     (tmp_path / "bad_score_mods.py").write_text((PLUGINS / "bad_score_mods.py").read_text())
     suite = {**BASE, "plugins": ["bad_score_mods.py"], "defaults": {**BASE["defaults"], **defaults}}
     path = write_suite(tmp_path, suite)
-    proc = run_bench("run", str(path), "--dry-run")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr and field in proc.stderr and fragment in proc.stderr, proc.stderr
+    code = main(["run", str(path), "--dry-run"])  # in this process: the command line's own handling
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and str(path) in err and field in err and fragment in err, err
 
 
 def test_suite_run_with_plugin_and_a_late_failure(tmp_path):
