@@ -60,8 +60,9 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     `selection`: attend only over the key units a selector chose (bench.selection), a `Selection` or its indices
     int32 (B, H_sel, query units, K) with `q_unit`, `kv_unit` (1, a number of keys, or row/token, block, page)
     and `shared`; `pattern` is then the base pattern. `score_mod` (softcap, alibi, relative_bias or a registered
-    name) modifies the scaled scores before the mask, with its case fields as keywords (`softcap=50.0`). Raises `bench.errors.Unavailable` with the reason when the
-    implementation cannot run here or this case, ValueError for a bad selection.
+    name) modifies the scaled scores before the mask, with its case fields as keywords (`softcap=50.0`). Raises
+    `bench.errors.Unavailable` with the reason when the implementation cannot run here or this case, ValueError
+    for a bad selection or score modification.
     """
     check_inputs(q, k, v, pattern)
     try:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 import torch.nn.functional as F
 
-import torch
-
 from bench.registry import Impl, register, setup_phase
-from impls.common import positions
 from bench.selection import TakesSelections
+from impls.common import positions
 
 
 @register

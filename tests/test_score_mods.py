@@ -12,16 +12,16 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel on CPU tensors (before impls is imported)
 
-import impls  # noqa: E402, F401 - registers the implementations
-from bench import registry  # noqa: E402
-from bench.api import attention  # noqa: E402
-from bench.cli import main  # noqa: E402
-from bench.errors import Unavailable  # noqa: E402
-from bench.measure.reference import compare, reference_attention, tolerance_for  # noqa: E402
-from bench.patterns import alibi_slopes, make_pattern, make_score_mod, t5_bucket  # noqa: E402
-from bench.plugins import load_plugin  # noqa: E402
-from bench.spec.case import Case  # noqa: E402
-from tests.conftest import PLUGINS, ROOT, only_run_dir, read_jsonl, run_bench, write_suite  # noqa: E402
+import impls  # noqa: F401 - registers the implementations
+from bench import registry
+from bench.api import attention
+from bench.cli import main
+from bench.errors import Unavailable
+from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.patterns import alibi_slopes, make_pattern, make_score_mod, t5_bucket
+from bench.plugins import load_plugin
+from bench.spec.case import Case
+from tests.conftest import PLUGINS, ROOT, only_run_dir, read_jsonl, run_bench, write_suite
 
 MODS = [("softcap", {"softcap": 2.0}), ("alibi", {}), ("relative_bias", {})]
 # a shape with everything that moves positions: GQA, fewer query rows than keys, a partial last block

@@ -66,7 +66,8 @@ class Blocked(Impl):
         group = h // hkv
         scale = softmax_scale(case.head_dim)
         mod = kernel_score_mod(case)  # None without one; the decode kernel applies none: the block kernel does
-        if nq <= DECODE_ROWS and case.mode == "fwd" and mod is None:  # decode: K/V read in place (impls/blocked/decode.py)
+        # decode: K/V read in place (impls/blocked/decode.py)
+        if nq <= DECODE_ROWS and case.mode == "fwd" and mod is None:
             with setup_phase("compile"):
                 missing = decode_unavailable(q, case.mode)
             if missing is None:

@@ -90,7 +90,8 @@ def _allowed(rows, cols, slot, mask_words, q_offset, band_lo, band_hi, dilation,
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
               stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
               n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
-              bias_base, cap2, n_rows, MOD_KIND: tl.constexpr, MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
+              bias_base, cap2, n_rows, MOD_KIND: tl.constexpr, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
+              HAS_DILATION: tl.constexpr,
               HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT_F32: tl.constexpr):
     """One key tile of the online softmax for a query tile: returns the updated (acc, l_i, m_i)."""
@@ -320,7 +321,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
 def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
              stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
              n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
-             bias_base, cap2, n_rows, MOD_KIND: tl.constexpr, MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
+             bias_base, cap2, n_rows, MOD_KIND: tl.constexpr, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
+             HAS_DILATION: tl.constexpr,
              HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              DOT_F32: tl.constexpr):
     """One key tile's contribution to a query tile's dQ."""
@@ -398,13 +400,15 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, 0, offs_m, offs_d, d_ok,
                       stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
                       n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo,
-                      period, bias_base, cap2, n_rows, MOD_KIND, False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+                      period, bias_base, cap2, n_rows, MOD_KIND, False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS,
+                      BLOCK_M, BLOCK_N, DOT_F32)
     for t in range(first_partial, end):
         kb = tl.load(row_cols + t)
         slot = tl.load(row_slots + t)
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
                       stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
                       n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo,
-                      period, bias_base, cap2, n_rows, MOD_KIND, True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+                      period, bias_base, cap2, n_rows, MOD_KIND, True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS,
+                      BLOCK_M, BLOCK_N, DOT_F32)
     tl.store(DQ + row_base * D + offs_m[:, None] * D + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=q_ok)
