@@ -265,3 +265,26 @@ def test_suite_run_with_plugin_and_a_late_failure(tmp_path):
     assert records["softcap", "dense"]["status"] == records["softcap", "csr"]["status"] == "ok"
     assert records["softcap", "csr"]["params"]["softcap"] == 5.0
     assert records["softcap", "csr"]["flops"] == records["agym_softcap30", "dense"]["flops"]  # useful FLOPs
+
+
+def test_distributed_implementations_apply_them_at_each_ranks_positions(tmp_path):
+    """Two gloo ranks, zigzag chunks (each rank's positions are two separate ranges) and contiguous ones (tp_heads:
+    each rank its own heads), ALiBi (which depends on i - j and the head): outputs and gradients against the
+    single-process oracle; cp_ring says why not."""
+    suite = {"name": "dist", "impls": ["tp_heads", "cp_allgather", "cp_sparse", "cp_ulysses", "cp_ring"],
+             "defaults": {"heads": 4, "kv_heads": 2, "head_dim": 16, "seq_len": 64, "pattern": "causal_local",
+                          "window": 24, "block_size": 16, "world_size": 2, "mode": "fwd_bwd", "score_mod": "alibi",
+                          "device": "cpu"},
+             "sweep": {"cp_layout": ["zigzag", "contiguous"]},
+             "measure": {"repeat": 2, "warmup": 0, "memory": "worker"}}
+    proc = run_bench("run", str(write_suite(tmp_path, suite)), "--out", str(tmp_path / "results"))
+    records = {(r["impl"], r["params"]["cp_layout"]): r
+               for r in read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")}
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ran = [("tp_heads", "contiguous")] + [(impl, layout) for impl in ("cp_allgather", "cp_sparse", "cp_ulysses")
+                                          for layout in ("zigzag", "contiguous")]
+    for key in ran:
+        assert records[key]["status"] == "ok", (key, records[key]["reason"])
+        assert set(records[key]["error"]["grads"]) == {"dq", "dk", "dv"}
+    assert records["cp_ring", "zigzag"]["status"] == "skipped"
+    assert "cp_ring does not apply score_mod alibi" in records["cp_ring", "zigzag"]["reason"]
