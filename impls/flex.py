@@ -198,6 +198,10 @@ class Flex(Impl):
         reason = super().unsupported(case)
         if reason is None and case.mode == "fwd_bwd" and case.device == "cpu":
             reason = CPU_NO_BACKWARD
+        if reason is None and case.score_mod == "relative_bias" and case.device == "cpu":
+            reason = ("flex on CPU does not take T5's relative bias: Inductor's CPU flex template fails to compile "
+                      "its table lookup, by bucket or by distance alike (CppCompileError, undeclared variables, "
+                      "torch 2.13)")
         return reason
 
     def prepare(self, case, pattern, q, k, v):
