@@ -165,7 +165,6 @@ def test_gradients_match_the_oracle(impl, mod, dtype):
     ("blocked", dict(score_mod="alibi", mode="fwd_bwd"), "in its CPU kernel (inference in float32 and bfloat16)"),
     ("blocked", dict(score_mod="softcap", softcap=30.0, dtype="float16"), "torch-op steps"),
     ("cp_ring", dict(score_mod="alibi"), "cp_ring does not apply score_mod alibi"),
-    ("tp_heads", dict(score_mod="softcap", softcap=30.0), "tp_heads does not apply score_mod softcap"),
 ])
 def test_implementations_that_do_not_apply_a_modification_say_why(impl, case, fragment):
     load_agym_plugin()
