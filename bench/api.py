@@ -19,6 +19,7 @@ from bench.measure.reference import check_shapes
 from bench.measure.selected import split_output
 from bench.measure.steps import prepare_call, skip_reason
 from bench.patterns import Pattern
+from bench.patterns.score_mods import case_problems as score_mod_case_problems
 from bench.results.records import Record
 from bench.selection import SHARED, Selection, get_selector, run_selector, unit_size
 from bench.spec.case import DTYPES, Case
@@ -50,15 +51,18 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
 
 def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
               selection: Selection | Tensor | None = None, *, q_unit: int | str = "block",
-              kv_unit: int | str = "block", shared: str = "head", block_size: int | None = None) -> Tensor:
+              kv_unit: int | str = "block", shared: str = "head", block_size: int | None = None,
+              score_mod: str | None = None, **fields: Any) -> Tensor:
     """Attention under `pattern` with scale 1/sqrt(D), by implementation `impl_name`: (B, H, q_len, D).
 
     q (B, H, q_len, D); k, v (B, Hkv, seq_len, D) with H % Hkv == 0, query head h reading KV head
     h // (H / Hkv). Differentiable when q, k or v require grad and the implementation supports fwd_bwd.
     `selection`: attend only over the key units a selector chose (bench.selection), a `Selection` or its indices
     int32 (B, H_sel, query units, K) with `q_unit`, `kv_unit` (1, a number of keys, or row/token, block, page)
-    and `shared`; `pattern` is then the base pattern. Raises `bench.errors.Unavailable` with the reason when the
-    implementation cannot run here or this case, ValueError for a bad selection.
+    and `shared`; `pattern` is then the base pattern. `score_mod` (softcap, alibi, relative_bias or a registered
+    name) modifies the scaled scores before the mask, with its case fields as keywords (`softcap=50.0`). Raises
+    `bench.errors.Unavailable` with the reason when the implementation cannot run here or this case, ValueError
+    for a bad selection or score modification.
     """
     check_inputs(q, k, v, pattern)
     try:
@@ -69,6 +73,10 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     case = case_for(q, pattern, "fwd_bwd" if wants_grad else "fwd", k)
     if block_size is not None:
         case = replace(case, block_size=block_size)
+    case = with_score_mod(case, score_mod, fields)
+    if selection is not None and case.score_mod != "none":
+        raise ValueError(f"score_mod {case.score_mod!r} with a selection: score modifications are measured on "
+                         "static patterns only (selection=None)")
     reason = skip_reason(impl, case)
     if reason:
         raise Unavailable(reason)
@@ -81,6 +89,19 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
         raise Unavailable(reason)
     attend = impl.prepare_selected(case, pattern, q, k, v)
     return split_output(attend(chosen))[0]
+
+
+def with_score_mod(case: Case, score_mod: str | None, fields: dict[str, Any]) -> Case:
+    """`case` with a score modification and the case fields it reads; ValueError naming what is wrong."""
+    unknown = sorted(set(fields) - set(Case.field_names()))
+    if unknown:
+        raise ValueError(f"attention() got unknown keyword(s) {unknown}; the keywords after score_mod are case "
+                         f"fields (softcap, window, ...): {', '.join(Case.field_names())}")
+    case = replace(case, score_mod=score_mod or "none", **fields)
+    problems = score_mod_case_problems(case)
+    if problems:
+        raise ValueError(f"{problems[0][0]}: {problems[0][1]}")
+    return case
 
 
 def _kv_unit_name(size: int, block_size: int) -> str:

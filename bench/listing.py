@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bench import registry
-from bench.patterns import PATTERNS
+from bench.patterns import PATTERNS, SCORE_MODS
 from bench.selection import get_selector, selector_names
 
 
@@ -32,6 +32,21 @@ def patterns_table() -> Table:
         table.add_row(name, ", ".join(cls.fields) or "-", escape(cls.source), escape(cls.description))
     table.caption = ("every pattern also takes q_len (the last q_len positions are the queries) and documents "
                      "(packed documents: the pattern applies inside each, on positions relative to its start)")
+    return table
+
+
+def score_mods_table() -> Table:
+    """The score modifications (case field `score_mod`), with the implementations that apply each."""
+    table = Table(title="score modifications (score_mod: applied to the scaled scores s before the mask)")
+    for column in ("name", "fields", "source", "applied by", "modification"):
+        table.add_column(column)
+    impls = registry.all_impls()
+    for name, info in SCORE_MODS.items():
+        kind = name if info.factory is None else "custom"
+        takers = [i.name for i in impls if kind in i.score_mods]
+        table.add_row(name, ", ".join(info.fields) or "-", escape(info.source), ", ".join(takers) or "-",
+                      escape(info.description))
+    table.caption = "the others skip such cases with the reason; `none` (the default) leaves the scores as they are"
     return table
 
 
@@ -60,6 +75,7 @@ def list_command(what: str, console: Console) -> int:
         console.print(impls_table())
     elif what == "patterns":
         console.print(patterns_table())
+        console.print(score_mods_table())
     elif what == "selectors":
         console.print(selectors_table())
     else:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from bench.patterns.score_mods import BUILTIN_SCORE_MODS
 from bench.plugins import load_entry_points, source_of
 from bench.spec.case import Case
 
@@ -116,6 +117,9 @@ class Impl:
     # Data-dependent sparse attention (bench.selection): the selections it attends over, e.g.
     # {"q_unit": (1, "block"), "kv_unit": ("block", "token")} (1: a selection per query row), or None for none.
     selections: ClassVar[dict[str, tuple[int | str, ...]] | None] = None
+    # Score modifications it applies (bench.patterns.score_mods): built-in names, and "custom" for any registered
+    # FlexAttention score_mod. The others are a skip with the reason (`unsupported_score_mod`).
+    score_mods: ClassVar[frozenset[str]] = frozenset()
 
     def unavailable(self) -> str | None:
         """Why this implementation cannot run on this machine at all (no GPU, no triton, ...), or None."""
@@ -145,7 +149,17 @@ class Impl:
             return f"{self.name} needs world_size > 1"
         if self.max_seq_len is not None and case.seq_len > self.max_seq_len:
             return f"{self.name} is limited to seq_len <= {self.max_seq_len} (got {case.seq_len})"
+        if case.score_mod != "none":
+            return self.unsupported_score_mod(case)
         return None
+
+    def unsupported_score_mod(self, case: Case) -> str | None:
+        """Why this implementation does not apply the case's score_mod, or None. The default reads `score_mods`."""
+        kind = case.score_mod if case.score_mod in BUILTIN_SCORE_MODS else "custom"
+        if kind in self.score_mods:
+            return None
+        what = "custom score_mods" if kind == "custom" else f"score_mod {kind}"
+        return f"{self.name} does not apply {what} (score_mod {case.score_mod})"
 
     def runs_single_process(self) -> bool:
         """Distributed implementations that also make sense with one rank return True."""

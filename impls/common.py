@@ -110,3 +110,24 @@ class InOrder:
             finally:
                 self._next += 1
                 self._ready.notify_all()
+
+
+ScoreFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def score_mod_fn(case, device: torch.device, dtype: torch.dtype) -> ScoreFn | None:
+    """The case's score modification as fn(scores (..., H, c, n), i (c, 1), j (1, n)) -> scores, i and j
+    absolute query and key positions (int64 on `device`), its tables in `dtype`; None without one."""
+    mod = case.make_score_mod()
+    if mod is None:
+        return None
+    mod = mod.for_device(device, dtype)
+    heads = torch.arange(case.heads, device=device)[:, None, None]
+    return lambda scores, i, j: mod.apply(scores, heads, i, j)
+
+
+def positions(case, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(i (q_len, 1), j (1, N)): the absolute positions of the case's query rows and keys."""
+    nq = case.n_queries
+    i = torch.arange(case.seq_len - nq, case.seq_len, device=device)[:, None]
+    return i, torch.arange(case.seq_len, device=device)[None, :]

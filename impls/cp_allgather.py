@@ -14,7 +14,8 @@ import torch
 from bench.comm_autograd import all_gather
 from bench.registry import register
 from bench.sharding import DistributedImpl
-from impls.parallel_common import attend, communicator_for, kv_row_bytes, ring_matrix
+from impls.common import accum_dtype
+from impls.parallel_common import attend, communicator_for, kv_row_bytes, ring_matrix, score_modifier
 
 
 @register
@@ -22,6 +23,7 @@ class AllGatherContextParallel(DistributedImpl):
     name = "cp_allgather"
     description = "sequence split over P ranks; K/V all-gathered, local queries against the whole sequence"
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # on its own heads and positions
 
     def prepare(self, case, pattern, q, k, v):
         comm = communicator_for(case)
@@ -31,11 +33,13 @@ class AllGatherContextParallel(DistributedImpl):
         rows = shard.positions()
         gathered_order = torch.cat([self.shard(case, src).positions() for src in range(comm.world_size)])
         mask = pattern.mask(rows[:, None], gathered_order[None, :]).to(q.device)  # (C, N)
+        modify = score_modifier(case, torch.arange(case.heads), rows + case.seq_len - case.n_queries,
+                                gathered_order, q.device, accum_dtype(q.dtype))
 
         def call():
             gathered = all_gather(torch.stack((k_r, v_r)))  # (P, 2, B, H, C, D)
             kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, n, d)  # ranks' positions in rank order
-            return attend(q_r, kv[0], kv[1], mask)
+            return attend(q_r, kv[0], kv[1], mask, modify)
 
         return call
 

@@ -17,7 +17,8 @@ import torch
 from bench.comm_autograd import all_to_all
 from bench.registry import register
 from bench.sharding import DistributedImpl, Shard, sequence_shard
-from impls.parallel_common import attend, communicator_for, kv_row_bytes
+from impls.common import accum_dtype
+from impls.parallel_common import attend, communicator_for, kv_row_bytes, score_modifier
 
 
 def needed_keys(pattern, case) -> list[torch.Tensor]:
@@ -52,6 +53,7 @@ class SparseContextParallel(DistributedImpl):
     description = ("sequence split over P ranks; each rank fetches only the K/V blocks its queries need "
                    "(all-to-all)")
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # on its own heads and positions
 
     def prepare(self, case, pattern, q, k, v):
         comm = communicator_for(case)
@@ -72,12 +74,14 @@ class SparseContextParallel(DistributedImpl):
         rows = shard.positions()
         keys = torch.cat((rows, *fetched))  # own positions, then the fetched ones in the order they arrive
         mask = pattern.mask(rows[:, None], keys[None, :]).to(q.device)  # (C, C + fetched)
+        modify = score_modifier(case, torch.arange(case.heads), rows + case.seq_len - case.n_queries, keys,
+                                q.device, accum_dtype(q.dtype))
 
         def call():
             local = torch.stack((k_r, v_r)).permute(3, 0, 1, 2, 4)  # (C, 2, B, H, D): positions first
             fetched = all_to_all(local.index_select(0, send_index), send_splits, recv_splits)  # (F, 2, B, H, D)
             kv = torch.cat((local, fetched)).permute(1, 2, 3, 0, 4)  # (2, B, H, C + F, D)
-            return attend(q_r, kv[0], kv[1], mask)
+            return attend(q_r, kv[0], kv[1], mask, modify)
 
         return call
 

@@ -15,12 +15,16 @@ are counted under the level "ulysses".
 
 from __future__ import annotations
 
+import torch
+
 from bench.registry import register
 from bench.sharding import DistributedImpl
+from impls.common import accum_dtype
 from impls.parallel_common import (
     UlyssesGroup,
     attend,
     communicator_for,
+    score_modifier,
     ulysses_bytes,
     ulysses_gather_heads,
     ulysses_kv_heads,
@@ -36,6 +40,7 @@ class UlyssesContextParallel(DistributedImpl):
     description = ("sequence split over P ranks; all-to-all to H/P heads over the whole sequence, attention, "
                    "all-to-all back (DeepSpeed-Ulysses)")
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # on its own heads and positions
 
     def unsupported(self, case):
         why = super().unsupported(case)
@@ -52,11 +57,14 @@ class UlyssesContextParallel(DistributedImpl):
         group = UlyssesGroup(tuple(range(p)), r, p)
         order = self._gathered_order(case)
         mask = pattern.mask(order[:, None], order[None, :]).to(q.device)  # (N, N) in the gathered order
+        per = case.heads // p  # this rank's head group after the all-to-all: heads [r H/P, (r+1) H/P)
+        modify = score_modifier(case, torch.arange(r * per, (r + 1) * per), order + case.seq_len - case.n_queries,
+                                order, q.device, accum_dtype(q.dtype))
 
         def call():
             k_x, v_x = (k_r, v_r) if repeat == 1 else (t.repeat_interleave(repeat, dim=1) for t in (k_r, v_r))
             q_h, k_h, v_h = ulysses_scatter_heads(group, (q_r, k_x, v_x))  # (B, H/P, N, D), (B, Hkv'/P, N, D)
-            return ulysses_gather_heads(group, attend(q_h, k_h, v_h, mask))  # (B, H, C, D)
+            return ulysses_gather_heads(group, attend(q_h, k_h, v_h, mask, modify))  # (B, H, C, D)
 
         return call
 

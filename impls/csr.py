@@ -87,11 +87,27 @@ class CsrLayout:
         return peak.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
 
 
-def _head_forward(layout: CsrLayout, q: Tensor, k: Tensor, v1: Tensor, scale: float
+@dataclass(frozen=True)
+class CsrScoreMod:
+    """A built-in score modification at the pattern's pairs: softcap's cap, or an additive bias (H, nnz)."""
+
+    cap: float | None = None
+    bias: Tensor | None = None
+
+    def apply(self, scores: Tensor, head: int) -> Tensor:
+        """The modified scaled scores (nnz,) of query head `head` (of B*H)."""
+        if self.cap is not None:
+            return scores.div_(self.cap).tanh_().mul_(self.cap)
+        if self.bias is not None:
+            return scores.add_(self.bias[head % self.bias.shape[0]])
+        return scores
+
+
+def _head_forward(layout: CsrLayout, q: Tensor, k: Tensor, v1: Tensor, scale: float, mod: CsrScoreMod, h: int
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """One query head: q (q_len, D), its KV head's k (N, D) and [v, 1] (N, D + 1) -> (output (q_len, D),
     exp'd scores (nnz,), row sums (q_len,))."""
-    scores = layout.sampled(q, k, scale)  # (nnz,)
+    scores = mod.apply(layout.sampled(q, k, scale), h)  # (nnz,)
     expd = scores.sub_(layout.expand_rows(layout.row_max(scores))).exp_()
     both = layout.matrix(expd) @ v1  # (q_len, D + 1): the last column is each row's sum of exp'd scores
     sums = both[:, -1].clone()
@@ -110,14 +126,15 @@ class CsrAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: CsrLayout | tuple[CsrLayout, ...],
-                scale: float) -> Tensor:
+                scale: float, mod: CsrScoreMod = CsrScoreMod()) -> Tensor:
         keep = any(ctx.needs_input_grad[:3])
         group = q.shape[0] // k.shape[0]
         # [V, 1] once per KV head: the sparse x dense product then also gives each row's sum
         v1 = torch.cat([v, v.new_ones(v.shape[0], v.shape[1], 1)], dim=2)  # (BHkv, N, D + 1)
 
         def head(h: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-            out, expd, sums = _head_forward(_layout_of(layout, h), q[h], k[h // group], v1[h // group], scale)
+            out, expd, sums = _head_forward(_layout_of(layout, h), q[h], k[h // group], v1[h // group], scale,
+                                            mod, h)
             return (out, expd, sums) if keep else (out, None, None)  # inference keeps no nnz-sized values
 
         heads = run_steps([lambda h=h: head(h) for h in range(q.shape[0])], q.device)
@@ -125,7 +142,7 @@ class CsrAttention(torch.autograd.Function):
         if keep:  # per-head layouts hold different nnz: their values stay a list
             ctx.expds = [e for _, e, _ in heads]
             ctx.save_for_backward(q, k, v, out, torch.stack([s for _, _, s in heads]))  # type: ignore[misc]
-        ctx.layout, ctx.scale = layout, scale
+        ctx.layout, ctx.scale, ctx.mod = layout, scale, mod
         return out
 
     @staticmethod
@@ -153,6 +170,9 @@ class CsrAttention(torch.autograd.Function):
             d_probs = layout.sampled(d_out, v[kv], 1.0)  # (nnz,)
             delta = (d_out * out[h]).sum(dim=1)  # (q_len,) = rowsum(P * dP)
             d_scores = probs.mul_(d_probs.sub_(layout.expand_rows(delta))).mul_(scale)
+            if ctx.mod.cap is not None:  # d c tanh(s / c) / ds = 1 - tanh^2, tanh recomputed at the pairs
+                capped = layout.sampled(q[h], k[kv], scale).div_(ctx.mod.cap).tanh_()
+                d_scores.mul_(capped.square_().neg_().add_(1.0))
             dq[h] = layout.matrix(d_scores) @ k[kv]
             return layout.matrix(d_scores, transposed=True) @ q[h], d_v
 
@@ -171,7 +191,21 @@ class CsrAttention(torch.autograd.Function):
                 dv[kv] += d_v
 
         run_steps([lambda h=h: head(h) for h in range(q.shape[0])], q.device)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
+
+
+def csr_score_mod(case, crow: Tensor, col: Tensor, dtype: torch.dtype, device: torch.device) -> CsrScoreMod:
+    """The case's built-in modification at the pattern's pairs (an additive one as its bias (H, nnz))."""
+    mod = case.make_score_mod()
+    if mod is None:
+        return CsrScoreMod()
+    if mod.kind == "softcap":
+        return CsrScoreMod(cap=mod.cap)
+    rows = torch.repeat_interleave(torch.arange(len(crow) - 1), crow.diff()) + (case.seq_len - case.n_queries)
+    # pair by pair (row k with column k), not an outer product
+    bias = mod.apply(torch.zeros((), dtype=torch.float64), torch.arange(case.heads)[:, None], rows[None, :],
+                     col[None, :])  # (H, nnz)
+    return CsrScoreMod(bias=bias.to(device, dtype))
 
 
 @register
@@ -179,6 +213,7 @@ class Csr(Impl):
     name = "csr"
     description = "torch sparse CSR: sampled_addmm scores at allowed pairs, our row softmax, CSR x dense"
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # at the pairs, with their derivatives
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def prepare(self, case, pattern, q, k, v):
@@ -187,6 +222,7 @@ class Csr(Impl):
         with setup_phase("mask"):
             crow, col = pattern.csr()
             layout = CsrLayout.of(crow, col, nq, n, q.device)
+            mod = csr_score_mod(case, crow, col, accum_dtype(q.dtype), q.device)
         scale = softmax_scale(case.head_dim)
         acc = accum_dtype(q.dtype)  # CSR kernels on CPU take float32/float64 only
         self._nnz = layout.nnz
@@ -194,7 +230,7 @@ class Csr(Impl):
         def call():
             # (B*H, q_len, D) queries, (B*Hkv, N, D) keys and values: query head i reads KV head i // G
             out = CsrAttention.apply(q.reshape(b * h, nq, d).to(acc), k.reshape(b * hkv, n, d).to(acc),
-                                     v.reshape(b * hkv, n, d).to(acc), layout, scale)
+                                     v.reshape(b * hkv, n, d).to(acc), layout, scale, mod)
             return out.view(q.shape).to(q.dtype)
 
         return call

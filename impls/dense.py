@@ -13,7 +13,7 @@ import torch
 
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
-from impls.common import accum_dtype, masked_softmax, masked_softmax_, softmax_scale
+from impls.common import accum_dtype, masked_softmax, masked_softmax_, positions, score_mod_fn, softmax_scale
 
 
 @register
@@ -21,6 +21,7 @@ class Dense(Impl):
     name = "dense"
     description = "materialised scores + dense mask + softmax (O(N^2) memory)"
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # applied in torch on the scores
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
@@ -41,11 +42,16 @@ class Dense(Impl):
         needs_grad = any(t.requires_grad for t in (q, k, v))
         b, h, nq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
+        modify = score_mod_fn(case, q.device, acc)
+        i, j = positions(case, q.device)
 
         def call():
             grouped = q.reshape(b, hkv, h // hkv * nq, d)  # (B, Hkv, G*Nq, D)
             # scores in the accumulation dtype: bfloat16 scores round a logit of 30 by 0.1 (a weight by 10%)
             scores = (grouped.to(acc) @ k.to(acc).transpose(-1, -2)).view(b, h, nq, n)  # (B, H, Nq, N)
+            if modify is not None:  # on the scaled scores, before the mask
+                probs = masked_softmax(modify(scores * scale, i, j), mask)
+                return (probs.to(v.dtype).view(b, hkv, -1, n) @ v).view(b, h, nq, d).to(q.dtype)
             # inference: softmax in place, so only one score-sized buffer is alive
             probs = masked_softmax(scores * scale, mask) if needs_grad else masked_softmax_(scores.mul_(scale), mask)
             out = probs.to(v.dtype).view(b, hkv, -1, n) @ v  # (B, Hkv, G*Nq, D)

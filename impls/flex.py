@@ -17,6 +17,7 @@ so mode fwd_bwd is skipped on CPU with that reason; on CUDA it is differentiable
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -183,6 +184,7 @@ class Flex(Impl):
     name = "flex"
     description = "FlexAttention (torch.compile), BlockMask from the pattern's blocks and predicate; no CPU backward"
     fwd_bwd = True  # on CUDA; CPU fwd_bwd is unsupported (see unsupported)
+    score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # its own score_mod argument
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def unavailable(self) -> str | None:
@@ -196,6 +198,10 @@ class Flex(Impl):
         reason = super().unsupported(case)
         if reason is None and case.mode == "fwd_bwd" and case.device == "cpu":
             reason = CPU_NO_BACKWARD
+        if reason is None and case.score_mod == "relative_bias" and case.device == "cpu":
+            reason = ("flex on CPU does not take T5's relative bias: Inductor's CPU flex template fails to compile "
+                      "its table lookup, by bucket or by distance alike (CppCompileError, undeclared variables, "
+                      "torch 2.13)")
         return reason
 
     def prepare(self, case, pattern, q, k, v):
@@ -212,8 +218,13 @@ class Flex(Impl):
         flex = compiled_flex()
         scale = softmax_scale(case.head_dim)
         gqa = k.shape[1] != q.shape[1]  # FlexAttention's native grouped-query attention: no K/V copies
+        mod = case.make_score_mod()
+        # the modification's tables in float32, as FlexAttention computes scores (captured as buffers)
+        score_mod = None if mod is None else mod.for_device(q.device, torch.float32).fn
         self._extras = {"block_size": case.block_size, "compiled": "torch.compile(dynamic=True)",
                         "mask_mod": "predicate"}
+        if score_mod is not None:
+            flex = functools.partial(flex, score_mod=score_mod)
         state = {"mask": block_mask, "compiled_once": False}
 
         def call():

@@ -17,7 +17,7 @@ import torch
 
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
-from impls.common import accum_dtype, softmax_scale
+from impls.common import accum_dtype, positions, score_mod_fn, softmax_scale
 
 
 @register
@@ -25,6 +25,7 @@ class NaiveLoop(Impl):
     name = "naive_loop"
     description = "seed 001's per-query Python loop over an (N, N) score matrix, -inf outside the pattern"
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # on each row's scores
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
@@ -47,11 +48,18 @@ class NaiveLoop(Impl):
         hkv, n = k.shape[1], k.shape[2]
 
         needs_grad = any(t.requires_grad for t in (q, k, v))
+        modify = score_mod_fn(case, q.device, acc)
+        rows_at, keys_at = positions(case, q.device)
 
         def row_scores(i: int) -> torch.Tensor:  # (B, H, |keys of row i|)
             row = q[:, :, i, :].reshape(b, hkv, h // hkv, d)  # (B, Hkv, G, D): the heads of each KV head
             # scores in the accumulation dtype (bfloat16 scores would round large logits by a tenth)
-            return (row.to(acc) @ k[:, :, keys[i], :].to(acc).transpose(-2, -1)).reshape(b, h, -1)
+            scores = (row.to(acc) @ k[:, :, keys[i], :].to(acc).transpose(-2, -1)).reshape(b, h, -1)
+            if modify is None:
+                return scores
+            # the modification is of the scaled score: scale, modify, unscale (the softmax below scales)
+            modified = modify((scores * scale)[:, :, None], rows_at[i : i + 1], keys_at[:, keys[i]])
+            return modified[:, :, 0] / scale
 
         def call():
             if needs_grad:

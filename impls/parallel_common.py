@@ -13,7 +13,7 @@ use.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,14 +62,30 @@ def grouped_values(probs: Tensor, v: Tensor) -> Tensor:
     return (probs.reshape(b, hkv, (h // hkv) * m, kk) @ v).view(b, h, m, v.shape[3])
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def score_modifier(case, heads: Tensor, rows: Tensor, cols: Tensor, device: torch.device, dtype: torch.dtype
+                   ) -> Callable[[Tensor], Tensor] | None:
+    """The case's score modification of a rank's scaled scores (B, len(heads), M, K): `heads` the query heads it
+    holds, `rows` and `cols` the absolute positions of its query rows and keys (int64); None without one."""
+    mod = case.make_score_mod()
+    if mod is None:
+        return None
+    mod = mod.for_device(device, dtype)
+    h, i, j = heads.to(device)[:, None, None], rows.to(device)[:, None], cols.to(device)[None, :]
+    return lambda scores: mod.apply(scores, h, i, j)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, modify: Callable[[Tensor], Tensor] | None = None
+           ) -> Tensor:
     """Attention of q (B, H, M, D) over k, v (B, Hkv, K, D) where mask (M, K) allows; empty rows give zeros.
 
-    Scores and softmax in float32 for low-precision inputs; the result has q's dtype.
+    Scores and softmax in float32 for low-precision inputs; the result has q's dtype. `modify`: a score
+    modification of the scaled scores, before the mask (`score_modifier`).
     """
     scale = softmax_scale(q.shape[-1])
     scores = grouped_scores(q, k).to(accum_dtype(q.dtype))  # (B, H, M, K)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if modify is not None:
+        probs = masked_softmax(modify(scores * scale), mask)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         probs = masked_softmax(scores * scale, mask)
     else:  # inference: one score-sized buffer
         probs = masked_softmax_(scores.mul_(scale), mask)

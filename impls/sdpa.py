@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 import torch.nn.functional as F
 
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
+from impls.common import positions
 
 
 @register
@@ -19,29 +21,48 @@ class Sdpa(Impl):
     name = "sdpa"
     description = "torch scaled_dot_product_attention with a boolean (q_len, N) mask; enable_gqa for GQA"
     fwd_bwd = True
+    # additive ones through a float mask (the bias, -inf where the pattern disallows); SDPA takes no score function
+    score_mods = frozenset({"alibi", "relative_bias"})
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def memory_bytes(self, case):
         if case.selector is not None:  # the effective (B, H, Nq, N) bool mask, and the math path's float scores
             return case.score_bytes(1) + case.score_bytes()
+        if case.score_mod != "none":  # and the float (H, Nq, N) bias mask
+            return case.n_queries * case.seq_len + case.score_bytes(case.element_bytes)
         return case.n_queries * case.seq_len  # the bool mask; the kernel PyTorch picks may need more, never less
+
+    def unsupported_score_mod(self, case):
+        reason = super().unsupported_score_mod(case)
+        if reason:
+            reason += ("; SDPA takes only an additive mask, and softcap is a function of the score" if
+                       case.score_mod == "softcap" else "; SDPA takes only an additive mask, and a custom score_mod "
+                       "is a function of the score")
+        return reason
 
     def prepare(self, case, pattern, q, k, v):
         with setup_phase("mask"):
             mask = pattern.dense_mask().to(q.device)  # (Nq, N), True = attend
+            bias = case.make_score_mod()
+            if bias is not None:  # the additive modification as a float mask: (1, H, Nq, N), -inf off the pattern
+                i, j = positions(case, torch.device("cpu"))
+                attn = bias.bias(case.heads, i[:, 0], j[0], q.dtype).to(q.device)
+                mask_or_bias = attn.masked_fill_(~mask, float("-inf"))[None]
+        if bias is None:
+            mask_or_bias = mask
         gqa = k.shape[1] != q.shape[1]
         empty_rows = ~mask.any(dim=-1)  # SDPA leaves fully masked rows undefined; the contract says zeros
         if bool(empty_rows.any()):
             keep = (~empty_rows)[:, None].to(q.dtype)  # (Nq, 1)
 
             def call_with_empty_rows():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_or_bias, enable_gqa=gqa)
                 return out.nan_to_num(0.0) * keep
 
             return call_with_empty_rows
 
         def call():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_or_bias, enable_gqa=gqa)
 
         return call
 

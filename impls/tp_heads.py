@@ -12,13 +12,15 @@ Only hidden states cross the wire, whatever the mask: this is why sparsity saves
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from bench.comm import all_reduce_sent
 from bench.comm_autograd import copy_to_ranks, reduce_from_ranks
 from bench.registry import register
 from bench.sharding import DistributedImpl
-from impls.parallel_common import attend, communicator_for, elem_bytes, empty_matrix
+from impls.common import accum_dtype
+from impls.parallel_common import attend, communicator_for, elem_bytes, empty_matrix, score_modifier
 
 
 @register
@@ -26,6 +28,7 @@ class TensorParallelHeads(DistributedImpl):
     name = "tp_heads"
     description = "heads split over ranks; column-parallel QKV, row-parallel output, one all-reduce forward"
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # on its own heads and positions
     split_dim = 1  # heads
 
     def prepare(self, case, pattern, q, k, v):
@@ -33,11 +36,15 @@ class TensorParallelHeads(DistributedImpl):
         shard, kv_shard = self.shard(case, comm.rank), self.kv_shard(case, comm.rank)
         heads = case.heads
         mask = pattern.dense_mask().to(q.device)  # (N, N)
+        rows = torch.arange(case.seq_len - case.n_queries, case.seq_len)
+        modify = score_modifier(case, torch.arange(shard.start, shard.stop), rows, torch.arange(case.seq_len),
+                                q.device, accum_dtype(q.dtype))
 
         def call():
             # Megatron's f: identity forward; backward all-reduces dq, dk, dv (one call).
             q_all, k_all, v_all = copy_to_ranks(q, k, v)
-            local = attend(shard.take(q_all), kv_shard.take(k_all), kv_shard.take(v_all), mask)  # (B, H/P, Nq, D)
+            local = attend(shard.take(q_all), kv_shard.take(k_all), kv_shard.take(v_all), mask,
+                           modify)  # (B, H/P, Nq, D)
             # Row-parallel output with an identity weight: this rank's heads in place, zeros elsewhere.
             partial = F.pad(local, (0, 0, 0, 0, shard.start, heads - shard.stop))  # (B, H, N, D)
             return reduce_from_ranks(partial)  # Megatron's g: one all-reduce of B N H D elements

@@ -48,7 +48,8 @@ def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
     rows = checked_rows(case)
     if "out" not in oracle:
         with torch.no_grad():
-            oracle["out"] = reference_attention(q.detach(), k.detach(), v.detach(), pattern, rows)
+            oracle["out"] = reference_attention(q.detach(), k.detach(), v.detach(), pattern, rows,
+                                                score_mod=case.make_score_mod())
     stats = compare(out.detach()[:, :, rows.to(out.device)], oracle["out"], tol)
     error: dict[str, Any] = {"max_abs": stats.max_abs, "rel_l2": stats.rel_l2, "tolerance": tol,
                              "rows_checked": stats.rows_checked, "nonfinite": stats.nonfinite}
@@ -56,7 +57,7 @@ def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
     if grads is not None and g is not None:
         if "grads" not in oracle:
             q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-            ref = reference_attention(q64, k64, v64, pattern, rows)
+            ref = reference_attention(q64, k64, v64, pattern, rows, score_mod=case.make_score_mod())
             leaves = [q64, k64, v64]
             oracle["grads"] = torch.autograd.grad(ref, leaves, g[:, :, rows.to(g.device)].double())
         error["grads"] = {}

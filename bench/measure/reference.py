@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bench.patterns import Pattern
+from bench.patterns import Pattern, ScoreMod
 
 # Relative L2 error tolerated per input dtype (docs/DESIGN.md); NaN never passes.
 TOLERANCE = {"float32": 1e-4, "float32_tf32": 2e-3, "float16": 5e-3, "bfloat16": 2e-2}
@@ -73,11 +73,13 @@ RowMask = Callable[[Tensor], Tensor]
 
 
 def reference_chunks(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | None = None,
-                     extra_mask: RowMask | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+                     extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None
+                     ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """The oracle's float64 attention weights, chunk by chunk of query `rows` (default: all): yields
     (r, weights, lse) with r the chunk's rows (c,), weights (B, H, c, N), zero on masked keys (a row with no
     allowed key is all zeros), and lse (B, H, c) the log-sum-exp of the row's allowed scaled scores (-inf for a
-    row without keys). `extra_mask` narrows the pattern per (batch, head). Differentiable in q and k."""
+    row without keys). `extra_mask` narrows the pattern per (batch, head); `score_mod` modifies the scaled scores
+    before the mask (its tables in float64). Differentiable in q and k."""
     check_shapes(q, k, k, pattern)
     b, h, nq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
@@ -88,6 +90,8 @@ def reference_chunks(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | None
     keys = torch.arange(n)
     scale = 1.0 / math.sqrt(d)
     chunk = max(1, CHUNK_BYTES // (8 * b * h * n))
+    mod = None if score_mod is None else score_mod.for_device(device, torch.float64)
+    heads = torch.arange(h)[:, None, None]
     for start in range(0, len(rows), chunk):
         r = rows[start : start + chunk]
         c = len(r)
@@ -97,6 +101,8 @@ def reference_chunks(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | None
         # The query heads of one KV head share its keys: (B, Hkv, G*c, D) against (B, Hkv, N, D), no copy of K.
         qg = q64[:, :, r.to(device)].reshape(b, hkv, group * c, d)
         scores = (torch.matmul(qg, k64.transpose(-1, -2)) * scale).view(b, h, c, n)
+        if mod is not None:  # on absolute positions: row r is position r + seq_len - q_len
+            scores = mod.apply(scores, heads, (r + (pattern.seq_len - pattern.q_len))[:, None], keys[None, :])
         scores = scores.masked_fill(~mask, -math.inf)
         peak = scores.amax(dim=-1, keepdim=True).detach()
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
@@ -114,18 +120,19 @@ def reference_weights(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | Non
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None,
-                        extra_mask: RowMask | None = None) -> Tensor:
+                        extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None) -> Tensor:
     """Attention in float64 for query `rows` (default: all): (B, H, len(rows), D).
 
     q (B, H, q_len, D), k and v (B, Hkv, seq_len, D) of any float dtype and device, query head h reading KV
     head h // (H / Hkv); the result is float64 on the same device. A query row with no allowed key gives
     zeros. Differentiable with respect to q, k, v (dk, dv summed over each KV head's query group).
     """
-    return reference_attention_lse(q, k, v, pattern, rows, extra_mask)[0]
+    return reference_attention_lse(q, k, v, pattern, rows, extra_mask, score_mod)[0]
 
 
 def reference_attention_lse(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None,
-                            extra_mask: RowMask | None = None) -> tuple[Tensor, Tensor]:
+                            extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None
+                            ) -> tuple[Tensor, Tensor]:
     """(`reference_attention`'s output, its log-sum-exp (B, H, len(rows)) in float64, -inf for empty rows)."""
     check_shapes(q, k, v, pattern)
     b, h, _, d = q.shape
@@ -133,7 +140,7 @@ def reference_attention_lse(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, r
     group = h // hkv
     v64 = v.double()
     outs, lses = [], []
-    for r, weights, lse in reference_chunks(q, k, pattern, rows, extra_mask):
+    for r, weights, lse in reference_chunks(q, k, pattern, rows, extra_mask, score_mod):
         c = len(r)
         outs.append(torch.matmul(weights.reshape(b, hkv, group * c, n), v64).view(b, h, c, d))
         lses.append(lse)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from bench.inputs import InputsShape, InputsSpec
-from bench.patterns import PATTERN_FIELDS, Pattern, make_pattern
+from bench.patterns import PATTERN_FIELDS, Pattern, ScoreMod, make_pattern, make_score_mod
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -23,7 +23,7 @@ _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 LATER_FIELDS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
                                 "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None,
                                 "inputs": "random", "selector": None, "budget": None, "threshold": None,
-                                "page_size": None, "kv_lens": None}
+                                "page_size": None, "kv_lens": None, "score_mod": "none", "softcap": None}
 CP_LAYOUTS = ("contiguous", "zigzag")
 RANDOM_INPUTS = InputsSpec()  # frozen: one shared default
 
@@ -64,11 +64,17 @@ class Case:
     # sequence, and the keys of each sequence (a list of B lengths, or `random`: drawn from the seed)
     page_size: int | None = None
     kv_lens: tuple[int, ...] | str | None = None
+    # what is done to the scaled scores before the mask (bench.patterns.score_mods): none, softcap (with the cap
+    # `softcap`), alibi, relative_bias, or a registered name
+    score_mod: str = "none"
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("documents", "kv_lens"):  # frozen and hashable: lengths as a tuple
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.softcap, int) and not isinstance(self.softcap, bool):  # 50 and 50.0: one id
+            object.__setattr__(self, "softcap", float(self.softcap))
         if not isinstance(self.inputs, InputsSpec):
             object.__setattr__(self, "inputs", InputsSpec.parse(self.inputs))
 
@@ -130,6 +136,19 @@ class Case:
         return make_pattern(self.pattern, self.seq_len, q_len=self.q_len, documents=self.documents,
                             **self.pattern_fields())
 
+    def make_score_mod(self) -> ScoreMod | None:
+        """The case's score modification (None for `none`); ScoreModError names the field at fault."""
+        fields = {k: v for k, v in self.params().items() if k not in ("heads", "seq_len", "q_len", "seed",
+                                                                     "softcap", "score_mod")}
+        return make_score_mod(self.score_mod, heads=self.heads, seq_len=self.seq_len, q_len=self.q_len,
+                              seed=self.seed, softcap=self.softcap, **fields)
+
+    def score_mod_label(self) -> str:
+        """`softcap50`, `alibi`, `relative_bias`, a custom name ('' for none)."""
+        if self.score_mod == "softcap" and self.softcap is not None:
+            return f"softcap{self.softcap:g}"
+        return "" if self.score_mod == "none" else self.score_mod
+
     def pattern_label(self) -> str:
         return self.make_pattern().label
 
@@ -165,6 +184,8 @@ class Case:
             parts.append(self.selection_label().replace(" ", "-"))
         if self.page_size is not None:
             parts.append(f"pg{self.page_size}" + ("-ragged" if self.kv_lens is not None else ""))
+        if self.score_mod_label():
+            parts.append(self.score_mod_label().replace("_", ""))
         parts.append(digest)
         return "-".join(parts)
 
@@ -183,6 +204,7 @@ class Case:
         selection = f" {self.selection_label()}" if self.selector is not None else ""
         if self.page_size is not None:
             selection += f" pages of {self.page_size}" + (" ragged" if self.kv_lens is not None else "")
+        selection += f" {self.score_mod_label()}" if self.score_mod_label() else ""
         return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "
                 f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}{inputs}{selection}")
 

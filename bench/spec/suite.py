@@ -30,6 +30,7 @@ from bench.errors import BadInput
 from bench.inputs import InputsError, InputsSpec
 from bench.inputs import files as input_files
 from bench.patterns import PATTERNS, PatternError
+from bench.patterns.score_mods import case_problems as score_mod_problems
 from bench.plugins import load_plugin
 from bench.selection import allowed_units, get_selector, selector_names
 from bench.spec.case import Case
@@ -72,6 +73,9 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     "page_size": _Pos | None,
     # keys per sequence of a paged cache: B lengths, or `random` (drawn from the seed in [q_len, seq_len])
     "kv_lens": Literal["random"] | Annotated[list[_Pos], Field(min_length=1)] | None,
+    # none | softcap | alibi | relative_bias | a registered name, and the cap (> 0) of softcap: checked below
+    "score_mod": StrictStr,
+    "softcap": StrictFloat | StrictInt | None,
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 
@@ -377,6 +381,8 @@ def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
         _check_selection(case, where, bad)
     if case.page_size is not None or case.kv_lens is not None:
         _check_paging(case, bad)
+    for name, message in score_mod_problems(case):
+        raise bad(message, name)
     if case.inputs.kind == "file":
         try:
             input_files.check_shapes(case.inputs, batch=case.batch, heads=case.heads, kv_heads=case.n_kv_heads,

@@ -37,6 +37,7 @@ from impls.blocked.kernel import (
     kernel_attention,
     kernel_attention_tables,
     kernel_module,
+    kernel_score_mod,
     kernel_wanted,
     unavailable_reason,
 )
@@ -50,6 +51,7 @@ class Blocked(Impl):
     name = "blocked"
     description = "dense matmuls over the block layout: sliding windows for bands, gathered blocks otherwise"
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # in the CPU kernel only (unsupported_score_mod)
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("block",)}
 
     def build_ahead(self, devices):
@@ -57,12 +59,22 @@ class Blocked(Impl):
             kernel_module()
             decode_module()
 
+    def unsupported_score_mod(self, case):
+        reason = super().unsupported_score_mod(case)
+        if reason is None and not (case.mode == "fwd" and case.device == "cpu" and case.dtype in ("float32",
+                                                                                                  "bfloat16")):
+            reason = (f"blocked applies score_mod {case.score_mod} in its CPU kernel (inference in float32 and "
+                      "bfloat16) only; its torch-op steps (fwd_bwd, float16, CUDA) do not apply it yet")
+        return reason
+
     def prepare(self, case, pattern, q, k, v):
         b, h, nq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         group = h // hkv
         scale = softmax_scale(case.head_dim)
-        if nq <= DECODE_ROWS and case.mode == "fwd":  # decode: K/V read in place (impls/blocked/decode.py)
+        mod = kernel_score_mod(case)  # None without one; the decode kernel applies none: the block kernel does
+        # decode: K/V read in place (impls/blocked/decode.py)
+        if nq <= DECODE_ROWS and case.mode == "fwd" and mod is None:
             with setup_phase("compile"):
                 missing = decode_unavailable(q, case.mode)
             if missing is None:
@@ -95,6 +107,11 @@ class Blocked(Impl):
                         "computed_over_allowed": shown.computed_pairs / max(1, pattern.nnz)}
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
+            if mod is not None:
+                from bench.errors import Unavailable
+
+                raise Unavailable(f"blocked applies score_mod {case.score_mod} in its CPU kernel only, which cannot "
+                                  f"run here: {kernel_missing}")
 
         def call():
             # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together, and
@@ -102,7 +119,7 @@ class Blocked(Impl):
             grouped = q.reshape(b * hkv, group, nq, d)
             keys, values = (t.reshape(b * hkv, n, d) for t in (k, v))
             if table is not None:
-                return kernel_attention(table, grouped, keys, values, scale).reshape(q.shape)
+                return kernel_attention(table, grouped, keys, values, scale, mod=mod).reshape(q.shape)
             return blocked_attention(plan, grouped, keys, values, fused).reshape(q.shape)
 
         return call

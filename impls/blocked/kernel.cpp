@@ -6,7 +6,9 @@
 // float32 (row max, exponentials and sums, the running output rescaled only when the max grows), then
 // O += P V_j. Keys and values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI
 // pairs in 16-bit dtypes), one pass over K and V; no key block is copied per query block, no score leaves the
-// thread's buffers. Rows without an allowed key come out zero.
+// thread's buffers. Rows without an allowed key come out zero. A score modification (softcap's tanh, or an
+// additive bias by head and distance: ALiBi, T5's relative bias) is applied to the scaled score tile in the
+// inner loop, before the masks, and the softmax then reads the modified scores as they are.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -82,6 +84,20 @@ inline float exp_sum_row(float* x, T* p, int64_t n, float scale, float shift) {
     sum += e;
   }
   return sum;
+}
+
+// The score modification of one row of a key block: x[t] = f(x[t] * scale) for the block's valid keys t.
+// softcap > 0: f(s) = softcap * tanh(s / softcap); bias (one head's (2N - 1) biases by distance i - j + N - 1,
+// row_bias pointing at this row's entry for key 0): f(s) = s + row_bias[-key].
+inline void modify_scores(float* x, int64_t valid, float scale, float softcap, const float* row_bias) {
+  if (softcap > 0.f) {
+    const Vec inner(scale / softcap), cap(softcap);
+    int64_t t = 0;
+    for (; t + Vec::size() <= valid; t += Vec::size()) (cap * (Vec::loadu(x + t) * inner).tanh()).store(x + t);
+    for (; t < valid; ++t) x[t] = softcap * std::tanh(x[t] * (scale / softcap));
+    return;
+  }
+  for (int64_t t = 0; t < valid; ++t) x[t] = x[t] * scale + row_bias[-t];
 }
 
 template <typename T>
@@ -164,7 +180,10 @@ template <typename T>
 void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
             const int32_t* mask_slot, const bool* masks, float scale, int64_t tables, int64_t heads_per_kv,
-            const int64_t* row_bits, float* lse, int64_t tm) {
+            const int64_t* row_bits, float* lse, int64_t tm, float softcap, const float* dist_bias,
+            int64_t bias_heads, int64_t q_offset) {
+  const bool modified = softcap > 0.f || dist_bias != nullptr;
+  const float score_scale = modified ? 1.f : scale;  // modified scores are scaled already
   const int64_t nqb = (nq + tm - 1) / tm, nkb = (n + bs - 1) / bs;  // nqb: query tiles of tm rows
   const int64_t width = CHUNK * bs;
   at::parallel_for(0, heads * nqb, 1, [&](int64_t begin, int64_t end) {
@@ -192,11 +211,16 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
         for (int64_t i = 0; i < mm; ++i) {
           float* row = s.data() + i * width;
           const int64_t t = i % rows;
+          // the bias row of this row's query head and position (entry for key 0)
+          const float* bias_row = dist_bias == nullptr ? nullptr :
+              dist_bias + ((h * g + i / rows) % bias_heads) * (2 * n - 1) + q_offset + r * tm + t + n - 1;
           for (int64_t c = 0; c < nc; ++c) {
             const int64_t slot = mask_slot[slot0 + c0 + c];
             const int64_t j = kv_index[slot0 + c0 + c];
             const int64_t valid = std::min(bs, n - j * bs);
             float* block = row + c * bs;
+            if (modified)
+              modify_scores(block, valid, scale, softcap, bias_row == nullptr ? nullptr : bias_row - j * bs);
             if (row_bits != nullptr && !((static_cast<uint64_t>(row_bits[slot0 + c0 + c]) >> t) & 1ULL)) {
               std::fill(block, block + bs, NEG_INF);  // this row did not select the block
               continue;
@@ -209,12 +233,12 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
             for (int64_t x = valid; x < bs; ++x) block[x] = NEG_INF;
           }
           // raw scores: scale > 0, so the row's max of scale * s is scale * max(s)
-          const float mx = std::max(m[i], max_row(row, cols) * scale);
+          const float mx = std::max(m[i], max_row(row, cols) * score_scale);
           T* probs = kVnni<T> ? pt.data() + i * width : reinterpret_cast<T*>(row);
           if (mx == NEG_INF) {  // nothing allowed yet: P = 0
             std::fill(probs, probs + cols, T(0));
           } else {
-            const float sum = exp_sum_row(row, probs, cols, scale, mx);
+            const float sum = exp_sum_row(row, probs, cols, score_scale, mx);
             const float alpha = m[i] == NEG_INF ? 0.f : std::exp(m[i] - mx);
             if (alpha != 1.f && c0 > 0) scale_row(o.data() + i * d, d, alpha);
             l[i] = l[i] * alpha + sum;
@@ -250,7 +274,8 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
                                            const torch::Tensor& kv_index, const torch::Tensor& kv_count,
                                            const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
                                            int64_t bs, bool own_pairs, int64_t heads_per_kv,
-                                           const torch::Tensor& row_bits, int64_t tile_rows) {
+                                           const torch::Tensor& row_bits, int64_t tile_rows, double softcap,
+                                           const torch::Tensor& dist_bias, int64_t q_offset) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "q (H, G, Nq, D), k and v (H, N, D)");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -270,6 +295,11 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
   const bool bits = row_bits.defined() && row_bits.numel() > 0;
   TORCH_CHECK(!bits || (row_bits.scalar_type() == at::kLong && row_bits.sizes() == kv_index.sizes() && tm <= 64),
               "row_bits int64 (T, tiles, max_kv), tiles of at most 64 rows");
+  const bool biased = dist_bias.defined() && dist_bias.numel() > 0;
+  TORCH_CHECK(!biased || (dist_bias.scalar_type() == at::kFloat && dist_bias.dim() == 2 &&
+                          dist_bias.size(1) == 2 * n - 1 && dist_bias.is_contiguous()),
+              "dist_bias float32 (heads, 2N - 1), contiguous");
+  TORCH_CHECK(q_offset >= 0 && q_offset + nq <= n, "q_offset: the query rows are positions q_offset..");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, g, nq}, q.options().dtype(at::kFloat));
   auto kp = torch::empty({k.size(0) * nkb * d * bs}, k.options());
@@ -281,7 +311,8 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
     attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq, n, d, bs,
               kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv, mask_slot.data_ptr<int32_t>(),
               masks.data_ptr<bool>(), static_cast<float>(scale), tables, heads_per_kv,
-              bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm);
+              bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm, static_cast<float>(softcap),
+              biased ? dist_bias.data_ptr<float>() : nullptr, biased ? dist_bias.size(0) : 1, q_offset);
   };
   switch (q.scalar_type()) {
     case at::kFloat: table(float{}); break;
@@ -298,7 +329,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_attention", &block_attention, "attention over a block table (inference, CPU)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("kv_index"), py::arg("kv_count"), py::arg("mask_slot"),
         py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false,
-        py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor(), py::arg("tile_rows") = 0);
+        py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor(), py::arg("tile_rows") = 0,
+        py::arg("softcap") = 0.0, py::arg("dist_bias") = torch::Tensor(), py::arg("q_offset") = 0);
   m.def("library_packs", [](py::object dtype) {
     return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));
   }, "whether oneDNN's packer lays out B operands of this 16-bit dtype (AMX machines)");

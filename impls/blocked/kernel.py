@@ -175,21 +175,51 @@ def block_table(pattern, bs: int) -> BlockTable:
                       masks.contiguous())
 
 
+@dataclass(frozen=True)
+class KernelScoreMod:
+    """A score modification as the kernel applies it: softcap's cap (0: none), or an additive bias by query head
+    and distance, dist_bias (H, 2N - 1) float32 with entry i - j + N - 1, and the first query row's position."""
+
+    softcap: float = 0.0
+    dist_bias: Tensor | None = None
+    q_offset: int = 0
+
+
+def kernel_score_mod(case) -> KernelScoreMod | None:
+    """The case's modification for the kernel; None when it has none or it is not one the kernel applies (a
+    custom one, which may depend on more than the head and the distance)."""
+    mod = case.make_score_mod()
+    if mod is None or mod.kind == "custom":
+        return None
+    q_offset = case.seq_len - case.n_queries
+    if mod.kind == "softcap":
+        return KernelScoreMod(softcap=float(mod.cap), q_offset=q_offset)
+    n = case.seq_len
+    # the built-in additive modifications depend on the head and i - j only: i - j = e - (N - 1) at entry e
+    bias = mod.apply(torch.zeros((), dtype=torch.float64), torch.arange(case.heads)[:, None],
+                     torch.arange(2 * n - 1)[None, :], torch.full((1, 1), n - 1))
+    return KernelScoreMod(dist_bias=bias.to(torch.float32).contiguous(), q_offset=q_offset)
+
+
 def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                     own_pairs: bool = False) -> Tensor:
+                     own_pairs: bool = False, mod: KernelScoreMod | None = None) -> Tensor:
     """q (B*Hkv, G, q_len, D), k, v (B*Hkv, N, D) -> (B*Hkv, G, q_len, D); rows without an allowed key zero.
 
     own_pairs: bfloat16 operands packed by the kernel's own VNNI code even where oneDNN has a packer (a test
-    compares the two layouts)."""
+    compares the two layouts). `mod`: a score modification of the scaled scores, applied before the masks."""
     module = kernel_module()
     assert module is not None, "kernel_attention needs the built kernel (see unavailable_reason)"
+    mod = mod or _NO_MOD
     out, _ = module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index[None],
                                     table.kv_count[None], table.mask_slot[None], table.masks, scale, table.block,
-                                    own_pairs, 1, _NO_BITS, 0)
+                                    own_pairs, 1, _NO_BITS, 0, mod.softcap,
+                                    _NO_BIAS if mod.dist_bias is None else mod.dist_bias, mod.q_offset)
     return out
 
 
 _NO_BITS = torch.empty(0, dtype=torch.int64)
+_NO_BIAS = torch.empty(0, dtype=torch.float32)
+_NO_MOD = KernelScoreMod()
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import time
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _TENSORS = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}  # in the input dtype; LSE / DELTA are float32
-_FLOATS = {"qk_scale", "sm_scale"}
+_FLOATS = {"qk_scale", "sm_scale", "cap2"}
 
 
 def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
@@ -36,7 +36,7 @@ def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
             sig[name] = "constexpr"
         elif name in _TENSORS:
             sig[name] = f"*{_DTYPES[dtype]}"
-        elif name in ("LSE", "DELTA"):
+        elif name in ("LSE", "DELTA", "BIAS"):
             sig[name] = "*fp32"
         elif name.startswith(("row_", "col_", "mask_")):
             sig[name] = "*i32"
@@ -49,7 +49,8 @@ def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def compile_kernel(kernel: str, config, arch: int, head_dim: int, dtype: str, mask_kind: int) -> dict:
+def compile_kernel(kernel: str, config, arch: int, head_dim: int, dtype: str, mask_kind: int,
+                   mod_kind: int = 0) -> dict:
     """Compile one kernel for sm_<arch>; returns its shared memory, or the compiler's error."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -64,13 +65,13 @@ def compile_kernel(kernel: str, config, arch: int, head_dim: int, dtype: str, ma
     else:
         constexprs.update(MASK_KIND=mask_kind, HAS_DILATION=mask_kind == 1, HAS_GLOBAL=mask_kind == 1,
                           WORDS=-(-config.block_n // 32), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                          DOT_F32=False)
+                          DOT_F32=False, MOD_KIND=mod_kind)
         constexprs.update({name: 1 for name in fn.arg_names if name.startswith("stride_") and name.endswith("d")})
     sig, attrs = _signature(fn, dtype, constexprs)
     target = GPUTarget("cuda", arch, 32)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     result = {"kernel": kernel, "arch": arch, "config": config.label, "head_dim": head_dim, "dtype": dtype,
-              "mask_kind": mask_kind, "shared_limit": SHARED_LIMIT.get(arch)}
+              "mask_kind": mask_kind, "mod_kind": mod_kind, "shared_limit": SHARED_LIMIT.get(arch)}
     t0 = time.perf_counter()
     try:
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options)
@@ -82,8 +83,9 @@ def compile_kernel(kernel: str, config, arch: int, head_dim: int, dtype: str, ma
     return result
 
 
-def check(archs: list[int], head_dim: int, dtype: str, mask_kinds: list[int]) -> list[dict]:
-    """Every candidate configuration of every kernel, for each architecture and mask kind."""
+def check(archs: list[int], head_dim: int, dtype: str, mask_kinds: list[int], mod_kinds: list[int] | None = None
+          ) -> list[dict]:
+    """Every candidate configuration of every kernel, for each architecture, mask kind and score modification."""
     from impls.triton_block_sparse import launch
 
     plan = [("attn_fwd", launch.FWD_CONFIGS), ("attn_bwd_dkdv", launch.DKDV_CONFIGS),
@@ -94,8 +96,9 @@ def check(archs: list[int], head_dim: int, dtype: str, mask_kinds: list[int]) ->
                                       dtype, 0))
         for kernel, configs in plan:
             for mask_kind in mask_kinds:
-                for config in configs:
-                    results.append(compile_kernel(kernel, config, arch, head_dim, dtype, mask_kind))
+                for mod_kind in mod_kinds or [0]:
+                    for config in configs:
+                        results.append(compile_kernel(kernel, config, arch, head_dim, dtype, mask_kind, mod_kind))
     return results
 
 
@@ -107,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     parser.add_argument("--mask-kind", type=int, action="append", choices=range(5),
                         help="tables.MASK_* value (repeatable; default 4, the bitmask, the largest kernel)")
+    parser.add_argument("--mod-kind", type=int, action="append", choices=range(3),
+                        help="kernels.MOD_* value (repeatable; default all: none, softcap, bias)")
     args = parser.parse_args(argv)
     from impls.triton_block_sparse import mode
 
     if mode.uses_interpreter():
         print("compile_check needs compiled kernels: run it with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
-    results = check(args.arch or [90], args.head_dim, args.dtype, args.mask_kind or [4])
+    results = check(args.arch or [90], args.head_dim, args.dtype, args.mask_kind or [4], args.mod_kind or [0, 1, 2])
     print(json.dumps(results, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
 

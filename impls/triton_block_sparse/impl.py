@@ -6,6 +6,7 @@ import importlib.util
 
 from bench.registry import Impl, register
 from impls.triton_block_sparse import launch, mode
+from impls.triton_block_sparse.score_mods import mod_args
 
 
 @register
@@ -13,6 +14,7 @@ class TritonBlockSparse(Impl):
     name = "triton_block_sparse"
     description = "Triton block-sparse FlashAttention-2 (tile lookup table); on CPU via the Triton interpreter"
     fwd_bwd = True
+    score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # in the kernels, forward and backward
 
     def __init__(self) -> None:
         self._extras: dict[str, object] = {}
@@ -46,7 +48,7 @@ class TritonBlockSparse(Impl):
 
     def prepare(self, case, pattern, q, k, v):
         needs_grad = any(t.requires_grad for t in (q, k, v))
-        plan = launch.plan_attention(pattern, q, k, v, needs_grad)
+        plan = launch.plan_attention(pattern, q, k, v, needs_grad, mod_args(case, q.device))
         self._extras = plan.describe()
 
         def call():

@@ -31,6 +31,13 @@ STRIDED = tl.constexpr(tables.MASK_STRIDED)
 AXIAL = tl.constexpr(tables.MASK_AXIAL)
 BITS = tl.constexpr(tables.MASK_BITS)  # (BLOCK_M, BLOCK_N) bits per partial tile, 32 keys per int32 word
 BOUNDS_ONLY = tl.constexpr(tables.BOUNDS_ONLY)  # slot of a tile only the sequence end cuts (formula kinds)
+# Score modifications (MOD_KIND), applied to the scaled scores before the mask: softcap c * tanh(s / c), with
+# cap2 = c * log2(e) since scores are in log2 units; or a bias by head and distance (ALiBi, T5's relative bias)
+# read from BIAS (H, 2N - 1) (log2 units, entry pos - key + N - 1). tanh(x) = 1 - 2 / (exp(2x) + 1).
+MOD_NONE = tl.constexpr(0)
+MOD_SOFTCAP = tl.constexpr(1)
+MOD_BIAS = tl.constexpr(2)
+TWO_LOG2E = tl.constexpr(2.8853900817779268)
 
 
 @triton.jit
@@ -83,7 +90,8 @@ def _allowed(rows, cols, slot, mask_words, q_offset, band_lo, band_hi, dilation,
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
               stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
               n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
-              MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
+              bias_base, cap2, n_rows, MOD_KIND: tl.constexpr, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
+              HAS_DILATION: tl.constexpr,
               HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT_F32: tl.constexpr):
     """One key tile of the online softmax for a query tile: returns the updated (acc, l_i, m_i)."""
@@ -93,6 +101,11 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
     if DOT_F32:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N) float32, log2 units
+    if MOD_KIND == MOD_SOFTCAP:
+        qk = cap2 * (1.0 - 2.0 / (tl.math.exp2(qk * (TWO_LOG2E / cap2)) + 1.0))
+    elif MOD_KIND == MOD_BIAS:
+        at = offs_m[:, None] + q_offset - offs_n[None, :] + n_keys - 1
+        qk += tl.load(bias_base + at, mask=(offs_m[:, None] < n_rows) & (offs_n[None, :] < n_keys), other=0.0)
     if MASKED:
         ok = _allowed(offs_m[:, None], offs_n[None, :], slot, mask_words, q_offset, band_lo, band_hi, dilation,
                       global_rows, global_cols, global_lo, period, MASK_KIND, HAS_DILATION, HAS_GLOBAL,
@@ -122,10 +135,10 @@ def attn_fwd(Q, K, V, O, LSE,
              stride_vb, stride_vh, stride_vn, stride_vd,
              row_offsets, row_full, row_cols, row_slots, mask_words,
              n_heads, n_group, n_rows, n_keys, qk_scale,
-             q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
+             q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period, BIAS, cap2,
              MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr, HAS_GLOBAL: tl.constexpr,
              WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+             D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr, MOD_KIND: tl.constexpr):
     """Grid (cdiv(Nq, BLOCK_M), B * H): one query tile of one head; writes O and the base-2 LSE.
 
     Query head h reads KV head h // n_group.
@@ -137,6 +150,7 @@ def attn_fwd(Q, K, V, O, LSE,
     off_hkv = off_h // n_group
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    bias_base = BIAS + off_h * (2 * n_keys - 1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     d_ok = offs_d[None, :] < D  # the padding of head_dim to a power of two
@@ -157,16 +171,16 @@ def attn_fwd(Q, K, V, O, LSE,
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, 0, offs_m, offs_d, d_ok,
                                   stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
                                   n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols,
-                                  global_lo, period, False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M,
-                                  BLOCK_N, DOT_F32)
+                                  global_lo, period, bias_base, cap2, n_rows, MOD_KIND, False, MASK_KIND,
+                                  HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
     for t in range(first_partial, end):
         kb = tl.load(row_cols + t)
         slot = tl.load(row_slots + t)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
                                   stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
                                   n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols,
-                                  global_lo, period, True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M,
-                                  BLOCK_N, DOT_F32)
+                                  global_lo, period, bias_base, cap2, n_rows, MOD_KIND, True, MASK_KIND,
+                                  HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
 
     has_keys = l_i > 0.0  # False for a query row with no allowed key: output 0, LSE +inf (backward p = 0)
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -197,7 +211,7 @@ def attn_bwd_preprocess(O, DO, DELTA, n_rows, BLOCK_M: tl.constexpr, D: tl.const
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, slot, offs_n, offs_d, d_ok,
                stride_qn, stride_qd, mask_words, n_rows, n_keys, qk_scale, q_offset, band_lo, band_hi, dilation,
-               global_rows, global_cols, global_lo, period,
+               global_rows, global_cols, global_lo, period, bias_base, cap2, MOD_KIND: tl.constexpr,
                MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
                HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, DOT_F32: tl.constexpr):
@@ -213,6 +227,12 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, slot, of
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     qk_t = tl.dot(k, tl.trans(q)) * qk_scale
+    if MOD_KIND == MOD_SOFTCAP:  # keep tanh for the derivative 1 - tanh^2
+        th_t = 1.0 - 2.0 / (tl.math.exp2(qk_t * (TWO_LOG2E / cap2)) + 1.0)
+        qk_t = cap2 * th_t
+    elif MOD_KIND == MOD_BIAS:
+        at = offs_m[None, :] + q_offset - offs_n[:, None] + n_keys - 1
+        qk_t += tl.load(bias_base + at, mask=(offs_m[None, :] < n_rows) & (offs_n[:, None] < n_keys), other=0.0)
     if MASKED:
         ok = _allowed(offs_m[None, :], offs_n[:, None], slot, mask_words, q_offset, band_lo, band_hi, dilation,
                       global_rows, global_cols, global_lo, period, MASK_KIND, HAS_DILATION, HAS_GLOBAL,
@@ -221,6 +241,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, slot, of
     p_t = tl.math.exp2(qk_t - lse[None, :])
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
+    if MOD_KIND == MOD_SOFTCAP:
+        ds_t = ds_t * (1.0 - th_t * th_t)
     if DOT_F32:  # round to the input dtype as the compiled kernel does, then multiply in float32
         dv = tl.dot(p_t.to(q_base.dtype.element_ty).to(tl.float32), do, dv)
         dk = tl.dot(ds_t.to(q_base.dtype.element_ty).to(tl.float32), q, dk)
@@ -237,10 +259,10 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                   stride_vb, stride_vh, stride_vn, stride_vd,
                   col_offsets, col_full, col_rows, col_slots, mask_words,
                   n_kv_heads, n_group, n_rows, n_keys, sm_scale, qk_scale,
-                  q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
+                  q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period, BIAS, cap2,
                   MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr, HAS_GLOBAL: tl.constexpr,
                   WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+                  D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr, MOD_KIND: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), B * Hkv): dK, dV of one key tile of one KV head.
 
     Sums over the n_group query heads that read this KV head, each over the query tiles of the key tile's
@@ -274,19 +296,22 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         do_base = DO + row_base * D
         lse_base = LSE + row_base
         delta_base = DELTA + row_base
+        bias_base = BIAS + off_h * (2 * n_keys - 1)
         for t in range(start, first_partial):
             qb = tl.load(col_rows + t)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, 0,
                                 offs_n, offs_d, d_ok, stride_qn, stride_qd, mask_words, n_rows, n_keys, qk_scale,
                                 q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
-                                False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, D, DOT_F32)
+                                bias_base, cap2, MOD_KIND, False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS,
+                                BLOCK_M, BLOCK_N, D, DOT_F32)
         for t in range(first_partial, end):
             qb = tl.load(col_rows + t)
             slot = tl.load(col_slots + t)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, slot,
                                 offs_n, offs_d, d_ok, stride_qn, stride_qd, mask_words, n_rows, n_keys, qk_scale,
                                 q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
-                                True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, D, DOT_F32)
+                                bias_base, cap2, MOD_KIND, True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS,
+                                BLOCK_M, BLOCK_N, D, DOT_F32)
     out_offs = pid_bkv.to(tl.int64) * n_keys * D + offs_n[:, None] * D + offs_d[None, :]  # (B, Hkv, N, D)
     tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_ok)
@@ -296,7 +321,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
 def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
              stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
              n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
-             MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr,
+             bias_base, cap2, n_rows, MOD_KIND: tl.constexpr, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
+             HAS_DILATION: tl.constexpr,
              HAS_GLOBAL: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              DOT_F32: tl.constexpr):
     """One key tile's contribution to a query tile's dQ."""
@@ -309,6 +335,12 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MOD_KIND == MOD_SOFTCAP:  # keep tanh for the derivative 1 - tanh^2
+        th = 1.0 - 2.0 / (tl.math.exp2(qk * (TWO_LOG2E / cap2)) + 1.0)
+        qk = cap2 * th
+    elif MOD_KIND == MOD_BIAS:
+        at = offs_m[:, None] + q_offset - offs_n[None, :] + n_keys - 1
+        qk += tl.load(bias_base + at, mask=(offs_m[:, None] < n_rows) & (offs_n[None, :] < n_keys), other=0.0)
     if MASKED:
         ok = _allowed(offs_m[:, None], offs_n[None, :], slot, mask_words, q_offset, band_lo, band_hi, dilation,
                       global_rows, global_cols, global_lo, period, MASK_KIND, HAS_DILATION, HAS_GLOBAL,
@@ -316,7 +348,10 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_
         qk = tl.where(ok & (offs_n[None, :] < n_keys), qk, float("-inf"))
     p = tl.math.exp2(qk - lse[:, None])
     dp = tl.dot(do, tl.trans(v))
-    ds = (p * (dp - delta[:, None])).to(in_dtype)
+    ds = p * (dp - delta[:, None])
+    if MOD_KIND == MOD_SOFTCAP:
+        ds = ds * (1.0 - th * th)
+    ds = ds.to(in_dtype)
     if DOT_F32:
         ds = ds.to(tl.float32)
     return tl.dot(ds, k, dq)
@@ -329,10 +364,10 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 row_offsets, row_full, row_cols, row_slots, mask_words,
                 n_heads, n_group, n_rows, n_keys, sm_scale, qk_scale,
-                q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period,
+                q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo, period, BIAS, cap2,
                 MASK_KIND: tl.constexpr, HAS_DILATION: tl.constexpr, HAS_GLOBAL: tl.constexpr,
                 WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+                D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr, MOD_KIND: tl.constexpr):
     """Grid (cdiv(Nq, BLOCK_M), B * H): dQ of one query tile, over the key tiles of its table row (query head h
     reads KV head h // n_group)."""
     pid_m = tl.program_id(0)
@@ -343,6 +378,7 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
     row_base = pid_bh.to(tl.int64) * n_rows
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    bias_base = BIAS + off_h * (2 * n_keys - 1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     d_ok = offs_d[None, :] < D
@@ -364,13 +400,15 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, 0, offs_m, offs_d, d_ok,
                       stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
                       n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo,
-                      period, False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+                      period, bias_base, cap2, n_rows, MOD_KIND, False, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS,
+                      BLOCK_M, BLOCK_N, DOT_F32)
     for t in range(first_partial, end):
         kb = tl.load(row_cols + t)
         slot = tl.load(row_slots + t)
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kb, slot, offs_m, offs_d, d_ok,
                       stride_kn, stride_kd, stride_vn, stride_vd, mask_words,
                       n_keys, qk_scale, q_offset, band_lo, band_hi, dilation, global_rows, global_cols, global_lo,
-                      period, True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS, BLOCK_M, BLOCK_N, DOT_F32)
+                      period, bias_base, cap2, n_rows, MOD_KIND, True, MASK_KIND, HAS_DILATION, HAS_GLOBAL, WORDS,
+                      BLOCK_M, BLOCK_N, DOT_F32)
     tl.store(DQ + row_base * D + offs_m[:, None] * D + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=q_ok)

@@ -19,6 +19,9 @@ from torch import Tensor
 from bench.registry import setup_phase
 from impls.triton_block_sparse import tables as tbl
 from impls.triton_block_sparse.mode import _is_interpreted, kernels, uses_interpreter
+from impls.triton_block_sparse.score_mods import ModArgs
+
+_NO_MOD = ModArgs()
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs K >= 16; above 128 the tiles outgrow shared memory
@@ -83,6 +86,7 @@ class Plan:
     q_len: int | None = None  # the pattern's query rows and keys (q_len < seq_len: the last positions)
     seq_len: int | None = None
     kv_group: int = 1  # query heads per KV head (GQA), read from the inputs at the call
+    mod: ModArgs | None = None  # the score modification the kernels apply (None: none)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"interpreter": self.interpreter, "q_len": self.q_len, "seq_len": self.seq_len,
@@ -147,11 +151,14 @@ def _shape_info(pattern, q: Tensor, k: Tensor | None) -> dict[str, int]:
     return {"q_len": pattern.q_len, "seq_len": pattern.seq_len, "kv_group": group}
 
 
-def plan_attention(pattern, q: Tensor, k: Tensor, v: Tensor, needs_grad: bool) -> Plan:
-    """Tables, masks and (on a GPU) autotuned tile configurations for attention of q, k, v under `pattern`."""
+def plan_attention(pattern, q: Tensor, k: Tensor, v: Tensor, needs_grad: bool, mod: ModArgs | None = None) -> Plan:
+    """Tables, masks and (on a GPU) autotuned tile configurations for attention of q, k, v under `pattern`, with
+    the score modification `mod` (tuned with it: its cost is the kernels')."""
     if _is_interpreted(kernels()):
         cfg = INTERPRETER_CONFIG
-        return plan_with_configs(pattern, q, cfg, cfg if needs_grad else None, cfg if needs_grad else None, k)
+        plan = plan_with_configs(pattern, q, cfg, cfg if needs_grad else None, cfg if needs_grad else None, k)
+        plan.mod = mod
+        return plan
 
     device = q.device
     candidates = FWD_CONFIGS + (DKDV_CONFIGS + DQ_CONFIGS if needs_grad else ())
@@ -161,18 +168,18 @@ def plan_attention(pattern, q: Tensor, k: Tensor, v: Tensor, needs_grad: bool) -
     info = _shape_info(pattern, q, k)
     with _on_device(q):
         fwd = _tune("fwd", FWD_CONFIGS, shape_key, tuning, pattern, base, device,
-                    lambda plan: run_forward(q, k, v, plan))
+                    lambda plan: run_forward(q, k, v, plan, mod))
         if not needs_grad:
-            return Plan(fwd, None, None, False, tuning, **info)
-        o, lse = run_forward(q, k, v, fwd)
+            return Plan(fwd, None, None, False, tuning, **info, mod=mod)
+        o, lse = run_forward(q, k, v, fwd, mod)
         gen = torch.Generator(device=device).manual_seed(0)
         do = torch.randn(o.shape, generator=gen, device=device, dtype=torch.float32).to(o.dtype)
         delta = run_preprocess(o, do)
         dkdv = _tune("bwd_dkdv", DKDV_CONFIGS, shape_key, tuning, pattern, base, device,
-                     lambda plan: run_dkdv(q, k, v, do, lse, delta, plan))
+                     lambda plan: run_dkdv(q, k, v, do, lse, delta, plan, mod))
         dq = _tune("bwd_dq", DQ_CONFIGS, shape_key, tuning, pattern, base, device,
-                   lambda plan: run_dq(q, k, v, do, lse, delta, plan))
-    return Plan(fwd, dkdv, dq, False, tuning, **info)
+                   lambda plan: run_dq(q, k, v, do, lse, delta, plan, mod))
+    return Plan(fwd, dkdv, dq, False, tuning, **info, mod=mod)
 
 
 def _tune(kernel: str, configs: tuple[TileConfig, ...], shape_key: tuple, tuning: dict[str, Any], pattern,
@@ -264,7 +271,8 @@ def _shapes(q: Tensor, k: Tensor) -> tuple[int, int, int, int, int, int]:
     return b, h, hkv, h // hkv, nq, n
 
 
-def run_forward(q: Tensor, k: Tensor, v: Tensor, plan: KernelPlan) -> tuple[Tensor, Tensor]:
+def run_forward(q: Tensor, k: Tensor, v: Tensor, plan: KernelPlan, mod: ModArgs | None = None
+                ) -> tuple[Tensor, Tensor]:
     """(o (B, H, Nq, D) contiguous, lse (B*H, Nq) float32 base-2 log-sum-exp of the scaled scores)."""
     b, h, _, group, nq, n = _shapes(q, k)
     d = q.shape[-1]
@@ -274,7 +282,8 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, plan: KernelPlan) -> tuple[Tens
     grid = (math.ceil(nq / plan.config.block_m), b * h)
     kernels().attn_fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(),
                              t.row_offsets, t.row_full, t.row_cols, t.row_slots, t.mask_words,
-                             h, group, nq, n, LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)))
+                             h, group, nq, n, LOG2E / math.sqrt(d), **_common(plan, q, _dot_f32(q)),
+                             **(mod or _NO_MOD).kwargs(q.device))
     return o, lse
 
 
@@ -289,7 +298,7 @@ def run_preprocess(o: Tensor, do: Tensor) -> Tensor:
 
 
 def run_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
-             plan: KernelPlan) -> tuple[Tensor, Tensor]:
+             plan: KernelPlan, mod: ModArgs | None = None) -> tuple[Tensor, Tensor]:
     """dk, dv (B, Hkv, N, D) contiguous: each KV head's program sums over its G query heads."""
     b, _, hkv, group, nq, n = _shapes(q, k)
     d = q.shape[-1]
@@ -300,11 +309,12 @@ def run_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Te
     kernels().attn_bwd_dkdv[grid](q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                                   t.col_offsets, t.col_full, t.col_rows, t.col_slots, t.mask_words,
                                   hkv, group, nq, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
-                                  **_common(plan, q, _dot_f32(q)))
+                                  **_common(plan, q, _dot_f32(q)), **(mod or _NO_MOD).kwargs(q.device))
     return dk, dv
 
 
-def run_dq(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, plan: KernelPlan) -> Tensor:
+def run_dq(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, plan: KernelPlan,
+           mod: ModArgs | None = None) -> Tensor:
     """dq (B, H, Nq, D) contiguous."""
     b, h, _, group, nq, n = _shapes(q, k)
     d = q.shape[-1]
@@ -314,7 +324,7 @@ def run_dq(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tens
     kernels().attn_bwd_dq[grid](q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                                 t.row_offsets, t.row_full, t.row_cols, t.row_slots, t.mask_words,
                                 h, group, nq, n, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
-                                **_common(plan, q, _dot_f32(q)))
+                                **_common(plan, q, _dot_f32(q)), **(mod or _NO_MOD).kwargs(q.device))
     return dq
 
 
@@ -327,7 +337,7 @@ class BlockSparseAttention(torch.autograd.Function):
             raise ValueError(f"this plan is for {plan.q_len} query rows over {plan.seq_len} keys; got q "
                              f"{tuple(q.shape)} and k {tuple(k.shape)}")
         with _on_device(q):
-            o, lse = run_forward(q, k, v, plan.fwd)
+            o, lse = run_forward(q, k, v, plan.fwd, plan.mod)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan = plan
         return o
@@ -341,6 +351,6 @@ class BlockSparseAttention(torch.autograd.Function):
         do = do.contiguous()
         with _on_device(q):
             delta = run_preprocess(o, do)
-            dk, dv = run_dkdv(q, k, v, do, lse, delta, plan.dkdv)
-            dq = run_dq(q, k, v, do, lse, delta, plan.dq)
+            dk, dv = run_dkdv(q, k, v, do, lse, delta, plan.dkdv, plan.mod)
+            dq = run_dq(q, k, v, do, lse, delta, plan.dq, plan.mod)
         return dq, dk, dv, None
