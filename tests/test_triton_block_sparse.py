@@ -324,7 +324,16 @@ def test_every_candidate_compiles_for_hopper():
     assert len(results) == expected
     for r in results:
         assert r["ok"] and r["has_cubin"], r
-        assert 0 < r["shared"] <= r["shared_limit"], r
+        assert r["shared"] > 0, r
+        if r["mod_kind"] == 0:  # without a modification every candidate fits H100/H200's shared memory
+            assert r["shared"] <= r["shared_limit"], r
+    # a bias table takes shared memory too (m128n128 forward: 288 KiB): the tuner skips a candidate the card cannot
+    # hold (launch._tune_candidates), so each kernel needs at least one that fits, for each modification
+    for kernel in {r["kernel"] for r in results}:
+        for mod in (1, 2):
+            fits = [r for r in results if r["kernel"] == kernel and r["mod_kind"] == mod
+                    and r["shared"] <= r["shared_limit"]]
+            assert fits or kernel == "attn_bwd_preprocess", (kernel, mod)
 
 
 # --- kernels against the oracle (interpreter) ---------------------------------------------------------

@@ -102,8 +102,7 @@ class Measure(BaseModel):
     memory: Literal["fresh", "worker"] = "fresh"
     # the attention statistics of each case's inputs (bench.measure.attention_stats) in its records
     attention_stats: StrictBool = False
-    # before each pair's timing, wait up to this long for the machine's CPU pressure to fall (bench.measure.contention)
-    wait_for_quiet_s: Annotated[StrictFloat, Field(ge=0, le=3600)] = 0.0
+    wait_for_quiet_s: Annotated[StrictFloat, Field(ge=0, le=3600)] = 0.0  # for a quiet CPU before each pair
 
 
 class SweepBlock(BaseModel):

@@ -244,4 +244,4 @@ def kernel_attention_tables(tables: HeadTables, q: Tensor, k: Tensor, v: Tensor,
     assert module is not None, "kernel_attention_tables needs the built kernel (see unavailable_reason)"
     return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), tables.kv_index, tables.kv_count,
                                   tables.mask_slot, tables.masks, scale, tables.block, False, heads_per_kv,
-                                  tables.row_bits, tables.tile_rows)
+                                  tables.row_bits, tables.tile_rows, _NO_MOD.softcap, _NO_BIAS, _NO_MOD.q_offset)
