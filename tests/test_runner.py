@@ -195,3 +195,22 @@ def test_extensions_are_built_before_the_first_pair_for_the_devices_of_its_pairs
     todo = [runner.Pair(case, "blocked"), runner.Pair(case, "blocked")]
     runner._build_ahead(["blocked", "dense"], todo, None, Console(quiet=True))
     assert asked == {"blocked": {"cpu"}}  # dense has no pair left to run: nothing asked of it
+
+
+def test_a_run_stored_before_a_field_was_added_resumes_and_another_suite_does_not(tmp_path):
+    """run.json keeps the suite's content with every default filled in; a measure field added since (its
+    default unchanged) must not stop `--resume`, while a changed setting still does."""
+    suite = write_suite(tmp_path, {"name": "old", "impls": ["dense"], "defaults": {"heads": 2, "head_dim": 16},
+                                   "sweep": {"seq_len": [64]}, "measure": {"repeat": 2, "warmup": 0}})
+    results = tmp_path / "results"
+    assert run_bench("run", str(suite), "--out", str(results)).returncode == 0
+    run_dir = only_run_dir(results)
+    info = json.loads((run_dir / "run.json").read_text())
+    del info["suite"]["content"]["measure"]["wait_for_quiet_s"]  # as a run written before the field existed
+    (run_dir / "run.json").write_text(json.dumps(info))
+    resumed = run_bench("run", str(suite), "--out", str(results), "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    changed = write_suite(tmp_path, {"name": "old", "impls": ["dense"], "defaults": {"heads": 2, "head_dim": 16},
+                                     "sweep": {"seq_len": [64]}, "measure": {"repeat": 3, "warmup": 0}}, "b.yaml")
+    refused = run_bench("run", str(changed), "--out", str(results), "--resume", str(run_dir))
+    assert refused.returncode == 2 and "other content" in refused.stderr

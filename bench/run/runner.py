@@ -45,7 +45,7 @@ from bench.run.shards import PartLock, ShardSpec
 from bench.run.tasks import Pair, backend_of, failed_record, plugin_specs, select_impls, task_for
 from bench.run.worker import WorkerProcess, WorkerStartError
 from bench.spec.case import resolve_device
-from bench.spec.suite import Suite, load_suite
+from bench.spec.suite import Suite, load_suite, parse_suite
 
 
 @dataclass
@@ -247,9 +247,22 @@ def _check_same_suite(run_dir: Path, suite: Suite, option: str) -> None:
     if info.source != "measured":
         raise BadInput(f"a {info.source} run (bench model); only measured runs can be resumed",
                        file=str(run_dir), field=option)
-    if info.suite.name != suite.name or info.suite.content != suite.content:
+    if info.suite.name != suite.name or not _same_content(info.suite.content, suite):
         raise BadInput(f"the run was made from suite {info.suite.name!r} with other content than {suite.name!r} "
                        "here; resume or join it with the same suite file", file=str(run_dir), field=option)
+
+
+def _same_content(stored: dict, suite: Suite) -> bool:
+    """Whether a run's stored suite content is this suite's: equal, or equal once read through today's schema
+    (a field added since, with its default, must not stop a run from being resumed)."""
+    if stored == suite.content:
+        return True
+    try:
+        again = parse_suite(stored, file=str(suite.path or "<suite>"),
+                            base_dir=suite.path.parent if suite.path else None)
+    except BadInput:
+        return False
+    return again.content == suite.content
 
 
 def _read_existing(run_dir: Path, own: str, console: Console) -> list[Record]:
