@@ -112,6 +112,13 @@ class ScoreMod:
         h = torch.arange(heads)[:, None, None]
         return self.apply(torch.zeros((), dtype=torch.float64), h, i[:, None], j[None, :]).to(dtype)
 
+    def distance_bias(self, heads: int, seq_len: int) -> Tensor:
+        """A built-in additive modification as the kernels read it: (heads, 2 * seq_len - 1) float64, entry e the
+        bias at i - j = e - (seq_len - 1). ALiBi and T5's bias depend on the head and i - j only."""
+        assert self.additive, f"score_mod {self.name} is not additive"
+        return self.apply(torch.zeros((), dtype=torch.float64), torch.arange(heads)[:, None],
+                          torch.arange(2 * seq_len - 1)[None, :], torch.full((1, 1), seq_len - 1))
+
     def for_device(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> ScoreMod:
         """The same modification with its tables on `device` in `dtype` (FlexAttention captures them)."""
         mod = make_builtin(self.name, self.q_offset, cap=self.cap, slopes=self.slopes, table=self.table,

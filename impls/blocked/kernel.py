@@ -194,10 +194,7 @@ def kernel_score_mod(case) -> KernelScoreMod | None:
     q_offset = case.seq_len - case.n_queries
     if mod.kind == "softcap":
         return KernelScoreMod(softcap=float(mod.cap), q_offset=q_offset)
-    n = case.seq_len
-    # the built-in additive modifications depend on the head and i - j only: i - j = e - (N - 1) at entry e
-    bias = mod.apply(torch.zeros((), dtype=torch.float64), torch.arange(case.heads)[:, None],
-                     torch.arange(2 * n - 1)[None, :], torch.full((1, 1), n - 1))
+    bias = mod.distance_bias(case.heads, case.seq_len)
     return KernelScoreMod(dist_bias=bias.to(torch.float32).contiguous(), q_offset=q_offset)
 
 

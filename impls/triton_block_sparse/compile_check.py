@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-kind", type=int, action="append", choices=range(5),
                         help="tables.MASK_* value (repeatable; default 4, the bitmask, the largest kernel)")
     parser.add_argument("--mod-kind", type=int, action="append", choices=range(3),
-                        help="kernels.MOD_* value (repeatable; default all: none, softcap, bias)")
+                        help="score_mods.MOD_* value (repeatable; default all: none, softcap, bias)")
     args = parser.parse_args(argv)
     from impls.triton_block_sparse import mode
 

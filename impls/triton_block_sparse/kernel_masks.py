@@ -7,7 +7,7 @@ Import it, like kernels.py, only through `mode.kernels()` (TRITON_INTERPRET deci
 import triton
 import triton.language as tl
 
-from impls.triton_block_sparse import tables
+from impls.triton_block_sparse import score_mods, tables
 
 # Mask kinds inside partial tiles (tables.MaskSpec.kind); jit code may only read constexpr globals.
 BAND = tl.constexpr(tables.MASK_BAND)
@@ -18,9 +18,9 @@ BOUNDS_ONLY = tl.constexpr(tables.BOUNDS_ONLY)  # slot of a tile only the sequen
 # Score modifications (MOD_KIND), applied to the scaled scores before the mask: softcap c * tanh(s / c), with
 # cap2 = c * log2(e) since scores are in log2 units; or a bias by head and distance (ALiBi, T5's relative bias)
 # read from BIAS (H, 2N - 1) (log2 units, entry pos - key + N - 1). tanh(x) = 1 - 2 / (exp(2x) + 1).
-MOD_NONE = tl.constexpr(0)
-MOD_SOFTCAP = tl.constexpr(1)
-MOD_BIAS = tl.constexpr(2)
+MOD_NONE = tl.constexpr(score_mods.MOD_NONE)
+MOD_SOFTCAP = tl.constexpr(score_mods.MOD_SOFTCAP)
+MOD_BIAS = tl.constexpr(score_mods.MOD_BIAS)
 TWO_LOG2E = tl.constexpr(2.8853900817779268)
 
 

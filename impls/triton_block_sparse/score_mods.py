@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 
 LOG2E = 1.4426950408889634  # the kernels' scores are in log2 units
+# MOD_KIND values (kernel_masks.py makes them constexpr for the jit code)
+MOD_NONE, MOD_SOFTCAP, MOD_BIAS = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -16,7 +18,7 @@ class ModArgs:
     """A score modification as the kernels take it (kernels.py, MOD_KIND): softcap's cap in log2 units, or a bias
     (H, 2N - 1) float32 by head and distance pos - key + N - 1, in log2 units."""
 
-    kind: int = 0
+    kind: int = MOD_NONE
     cap2: float = 1.0
     bias: Tensor | None = None
 
@@ -31,8 +33,6 @@ def mod_args(case, device: torch.device) -> ModArgs | None:
     if mod is None:
         return None
     if mod.kind == "softcap":
-        return ModArgs(1, float(mod.cap) * LOG2E)
-    n = case.seq_len  # ALiBi and T5's bias depend on the head and i - j only: i - j = e - (N - 1) at entry e
-    bias = mod.apply(torch.zeros((), dtype=torch.float64), torch.arange(case.heads)[:, None],
-                     torch.arange(2 * n - 1)[None, :], torch.full((1, 1), n - 1))
-    return ModArgs(2, bias=(bias.to(torch.float32) * LOG2E).contiguous().to(device))
+        return ModArgs(MOD_SOFTCAP, float(mod.cap) * LOG2E)
+    bias = mod.distance_bias(case.heads, case.seq_len)
+    return ModArgs(MOD_BIAS, bias=(bias.to(torch.float32) * LOG2E).contiguous().to(device))
