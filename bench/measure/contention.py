@@ -37,16 +37,24 @@ CPU_OVER_WALL_BUSY = 0.5
 Verdict = Literal["quiet", "busy"]
 
 
-def psi_some_us(path: Path = PSI_CPU) -> int | None:
-    """The cumulative `some` stall time (microseconds) of /proc/pressure/cpu, or None without PSI."""
+def _psi_some(path: Path = PSI_CPU) -> dict[str, str] | None:
+    """The fields of /proc/pressure/cpu's `some` line (avg10, avg60, avg300, total), or None without PSI."""
     try:
         for line in path.read_text().splitlines():
             if line.startswith("some "):
-                fields = dict(part.split("=", 1) for part in line.split()[1:])
-                return int(fields["total"])
-    except (OSError, ValueError, KeyError):
+                return dict(part.split("=", 1) for part in line.split()[1:])
+    except (OSError, ValueError):
         return None
     return None
+
+
+def psi_some_us(path: Path = PSI_CPU) -> int | None:
+    """The cumulative `some` stall time (microseconds) of /proc/pressure/cpu, or None without PSI."""
+    fields = _psi_some(path)
+    try:
+        return None if fields is None else int(fields["total"])
+    except (KeyError, ValueError):
+        return None
 
 
 def usable_cores() -> int:
@@ -97,6 +105,7 @@ class ContentionMeter:
     cpu_s: float = 0.0
     pressure_us: int | None = 0  # None once any interval had no PSI
     load: float | None = None  # the largest end-of-interval reading
+    waited_s: float | None = None  # measure.wait_for_quiet_s: how long the pair waited for quiet first
     _start: tuple[float, float, int | None] | None = None
 
     def start(self) -> None:
@@ -119,8 +128,6 @@ class ContentionMeter:
         load = r.load()
         if load is not None:
             self.load = load if self.load is None else max(self.load, load)
-
-    waited_s: float | None = None  # measure.wait_for_quiet_s: how long the pair waited for quiet first
 
     def result(self, device: str, device_state: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The record's `contention`; None when nothing was timed."""
@@ -171,8 +178,8 @@ def machine_load() -> dict[str, Any]:
 
 
 def _psi_avg10() -> float | None:
+    fields = _psi_some()
     try:
-        line = PSI_CPU.read_text().splitlines()[0]
-        return float(dict(p.split("=", 1) for p in line.split()[1:])["avg10"]) / 100
-    except (OSError, ValueError, KeyError, IndexError):
+        return None if fields is None else float(fields["avg10"]) / 100
+    except (KeyError, ValueError):
         return None
