@@ -119,7 +119,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     if markdown_file is not None and not markdown_file.parent.is_dir():
         raise BadInput("the file's directory does not exist", file=str(markdown_file), field="--markdown")
     options = ABOptions(base=args.base, new=args.new, suite=args.suite, rounds=args.rounds, impls=args.impl or [],
-                        out=Path(args.out), device=args.device, block_s=args.block_ms / 1e3, threads=args.threads)
+                        out=Path(args.out), device=args.device, block_s=args.block_ms / 1e3, threads=args.threads,
+                        max_rounds=args.max_rounds, budget_s=args.budget_s)
     console = make_console(stderr=True) if args.json else make_console()
     result = run_ab(options, console, threshold_pct=args.threshold, alpha=args.alpha)
     if markdown_file is not None:
@@ -250,7 +251,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_ab(sub: argparse._SubParsersAction) -> None:
-    from bench.run.ab import DEFAULT_BLOCK_S, DEFAULT_ROUNDS, DEFAULT_THREADS
+    from bench.run.ab import BUDGET_FACTOR, DEFAULT_BLOCK_S, DEFAULT_MAX_ROUNDS_FACTOR, DEFAULT_ROUNDS, DEFAULT_THREADS
 
     DEFAULT_AB_THRESHOLD = 5.0  # bench.analysis.ab.DEFAULT_THRESHOLD_PCT (not imported here: scipy is slow)
 
@@ -262,7 +263,13 @@ def _add_ab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("new", metavar="NEW", help="git revision of this repository, or a checkout directory")
     p.add_argument("suite", metavar="SUITE.yaml", help="suite file, read by each side from its own checkout")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
-                   help=f"interleaved rounds per pair (default {DEFAULT_ROUNDS})")
+                   help=f"interleaved rounds per pair, the first look (default {DEFAULT_ROUNDS})")
+    p.add_argument("--max-rounds", type=int, metavar="N",
+                   help="rounds a pair may reach while its verdict is open, a trial of R more rounds on fresh "
+                        f"workers per look (default {DEFAULT_MAX_ROUNDS_FACTOR} x R; R: no looks added)")
+    p.add_argument("--budget-s", type=float, metavar="S",
+                   help="no look is added once the run has taken S seconds (default: "
+                        f"{BUDGET_FACTOR:g} x the time of the first pass over every pair)")
     p.add_argument("--threshold", type=float, default=DEFAULT_AB_THRESHOLD, metavar="PCT",
                    help="SLOWER needs the whole interval past this slowdown, in percent (default "
                         f"{DEFAULT_AB_THRESHOLD:g}); what is caught reliably is each verdict's MDE, a little more")

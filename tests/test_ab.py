@@ -41,7 +41,8 @@ def worktrees(repo: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    """main: the tiny suite; `renamed`: the suite named differently; `nosuite`: the suite file removed."""
+    """main: the tiny suite; `renamed`: the suite named differently; `nosuite`: the suite file removed; `slow`:
+    dense twice as slow (scripts/ab_plant.py)."""
     root = tmp_path_factory.mktemp("abrepo") / "repo"
     root.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -59,6 +60,10 @@ def repo(tmp_path_factory) -> Path:
     git(root, "checkout", "-q", "-b", "nosuite", "main")
     git(root, "rm", "-q", "suites/tiny.yaml")
     git(root, "commit", "-qm", "no suite")
+    git(root, "checkout", "-q", "-b", "slow", "main")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_plant.py"), str(root / "impls" / "dense"), "100"],
+                   check=True, capture_output=True)
+    git(root, "commit", "-qam", "dense twice as slow")
     git(root, "checkout", "-q", "main")
     return root
 
@@ -104,7 +109,8 @@ def test_ab_of_two_revisions_writes_both_runs_and_leaves_no_worktree(repo, tmp_p
     assert doc["schema"] == "bench-ab/1" and doc["exit_code"] == proc.returncode
     assert [p["impl"] for p in doc["pairs"]] == ["dense", "sdpa"]
     assert all(p["mode"] == "interleaved" and p["base_status"] == p["new_status"] == "ok" for p in doc["pairs"])
-    assert all(p["time"]["rounds"] == 5 and p["time"]["mde_pct"] is not None for p in doc["pairs"])
+    assert all(p["time"]["rounds"] == 5 * p["time"]["looks"] and p["time"]["mde_pct"] is not None
+               for p in doc["pairs"])
     assert "[1/2]" in proc.stderr and "[2/2]" in proc.stderr
     # both sides are ordinary runs of the store: run.json finished, one record per pair, read by bench compare
     runs = sorted(p for p in out.iterdir() if p.is_dir())
@@ -118,6 +124,33 @@ def test_ab_of_two_revisions_writes_both_runs_and_leaves_no_worktree(repo, tmp_p
     cmp = bench(repo, clean, "compare", str(runs[0]), str(runs[1]))
     assert cmp.returncode == 0 and "bench ab" in cmp.stdout  # one run per side: advisory, pointing to bench ab
     assert md.read_text().startswith("### bench ab `tiny`")
+
+
+def test_an_open_verdict_gets_another_look_on_fresh_workers(repo, tmp_path, clean):
+    """dense twice as slow: one trial alone can never be SLOWER, so the pair is open after the first look and
+    gets a second trial of R rounds; then SLOWER (NOISY where this machine was busy while it was timed)."""
+    proc = bench(repo, clean, "ab", "main", "slow", "suites/tiny.yaml", "--rounds", "6", "--max-rounds", "12",
+                 "--block-ms", "1", "--impl", "dense", "--out", str(tmp_path / "results"), "--json")
+    assert proc.returncode in (0, 1), proc.stderr
+    doc = json.loads(proc.stdout)
+    (pair,) = doc["pairs"]
+    assert doc["settings"]["looks"] == [6, 12]
+    assert pair["time"]["looks"] == 2 and [t["rounds"] for t in pair["time"]["trials"]] == [6, 6]
+    assert all(t["ratio"] > 1.3 for t in pair["time"]["trials"])
+    assert pair["time"]["p_sequential"] < 0.05
+    expected = "NOISY" if pair["busy"] else "SLOWER"
+    assert pair["verdict"] == expected and doc["impls"][0]["verdict"] == expected
+    assert proc.returncode == (1 if expected == "SLOWER" else 0)
+    assert "trial 2:" in proc.stderr
+
+
+def test_max_rounds_equal_to_rounds_adds_no_look(repo, tmp_path, clean):
+    proc = bench(repo, clean, "ab", "main", "slow", "suites/tiny.yaml", "--rounds", "5", "--max-rounds", "5",
+                 "--block-ms", "1", "--impl", "dense", "--out", str(tmp_path / "results"), "--json")
+    doc = json.loads(proc.stdout)
+    (pair,) = doc["pairs"]
+    assert doc["settings"]["looks"] == [5] and pair["time"]["looks"] == 1
+    assert pair["verdict"] != "SLOWER" and proc.returncode == 0  # one trial cannot show a change repeats
 
 
 @pytest.mark.parametrize(("base", "new", "message"), [
@@ -155,6 +188,8 @@ def test_a_dirty_checked_out_commit_is_refused(repo, tmp_path, clean, capsys, mo
 @pytest.mark.parametrize(("args", "message"), [
     (["--rounds", "1"], "--rounds: got 1"),
     (["--threshold", "-3"], "--threshold: got -3"),
+    (["--rounds", "10", "--max-rounds", "5"], "--max-rounds: got 5; at least --rounds (10)"),
+    (["--budget-s", "-1"], "--budget-s: got -1"),
     (["--markdown", "/no/such/dir/x.md"], "--markdown"),
 ])
 def test_bad_options_exit_2(repo, tmp_path, clean, capsys, monkeypatch, args, message):

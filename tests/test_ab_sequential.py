@@ -4,11 +4,12 @@ implementation across its cases beside the per-pair ones."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from bench.analysis import ab_stats as st
 from bench.analysis.ab import compare_ab
-from bench.analysis.ab_sequential import look_levels, obf_spent, sequential_decision
+from bench.analysis.ab_sequential import look_levels, obf_spent, sequential_decision, sequential_p
 from tests.test_ab_stats import measurement
 
 LOOKS = [15, 20, 25, 30]  # rounds at each look: R, then rounds added while the verdict is open
@@ -60,3 +61,32 @@ def test_a_small_change_no_pair_proves_alone_is_seen_in_the_implementation():
     result = compare_ab(measurement(ratios, seed=5, n_rounds=8, sigma=0.08))
     (verdict,) = result.impls
     assert verdict.p_value < 0.05 and verdict.ratio > 1.05
+
+
+def test_the_sequential_p_value_is_valid_when_the_data_decide_the_stopping():
+    """No change; each pair stops at the first look whose p-value is under its level (as bench ab stops adding
+    rounds): P(p_seq <= u) stays at or under u."""
+    rng = np.random.default_rng(12)
+    looks = [15, 30, 45]
+    p = np.array([[stats.wilcoxon(row[:n]).pvalue for n in looks] for row in rng.normal(0, 0.05, (800, 45))])
+    seq = []
+    for row in p:
+        stop = sequential_decision(row, looks, 0.05)
+        seq.append(sequential_p(row[: (stop + 1 if stop is not None else len(looks))], looks, 0.05))
+    seq = np.array(seq)
+    for u in (0.01, 0.05, 0.2):
+        assert np.mean(seq <= u) <= u + 2.5 * np.sqrt(u * (1 - u) / len(seq)), u
+    assert sequential_p([0.01], looks, 0.05) == pytest.approx(min(1.0, 0.01 * 0.05 / look_levels(looks, 0.05)[0]))
+
+
+def test_a_planted_five_percent_is_found_in_most_pairs_with_added_looks():
+    """A true +6.5% (what a planted 5% reads as) over a 5% threshold: one trial of 15 rounds rarely proves it,
+    looks up to 45 rounds find most; nothing else is flagged."""
+    ratios = {(f"c{i}", "blocked"): 1.065 for i in range(20)}
+    ratios.update({(f"c{i}", "dense"): 1.0 for i in range(20)})
+    one_look = compare_ab(measurement(ratios, seed=21, sigma=0.02, max_rounds=15))
+    looked = compare_ab(measurement(ratios, seed=21, sigma=0.02))
+    found = [sum(p.verdict == st.SLOWER and p.impl == "blocked" for p in r.pairs) for r in (one_look, looked)]
+    assert found[0] == 0 and found[1] >= 12, found
+    assert not any(p.verdict in (st.SLOWER, st.FASTER) for p in looked.pairs if p.impl == "dense")
+    assert {v.impl: v.verdict for v in looked.impls} == {"blocked": st.SLOWER, "dense": st.SAME}

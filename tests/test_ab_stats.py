@@ -2,7 +2,7 @@
 
 Rounds are generated as bench.run.ab measures them: per round one block of samples per side, both multiplied by
 a drift common to the round (the machine's load changing between rounds, much larger than the effects), and the
-NEW side by the true ratio. A pair that could read SLOWER or FASTER gets a second trial, as `measure_pairs` does.
+NEW side by the true ratio. A pair whose verdict is still open gets more trials, as `measure_pairs` does.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from rich.console import Console
 from bench.analysis import ab_stats as st
 from bench.analysis.ab import ABResult, compare_ab
 from bench.analysis.ab_report import markdown, print_ab
+from bench.analysis.ab_sequential import PairTime, still_open, time_verdict
 from bench.analysis.stats import seed_for
 from bench.run.ab import ABMeasurement, PairMeasurement, SideRun, round_orders
+from bench.run.ab_side import planned_looks
 from bench.run.worktrees import Checkout
 from tests.synthetic import record
 
@@ -46,20 +48,25 @@ def side(role: str) -> SideRun:
                    {"fingerprint": "f00d", "git": {"dirty": False}})
 
 
-def measurement(ratios: dict[tuple[str, str], float], *, seed: int = 0, second_ratio: dict | None = None,
-                threshold: float = 0.05, alpha: float = 0.05, **kw) -> ABMeasurement:
-    """Pairs with the given true ratios; the pairs that could be flagged get a second trial (its true ratio
-    from `second_ratio`, default the same) - what bench.run.ab_pairs.measure_pairs does."""
+def measurement(ratios: dict[tuple[str, str], float], *, seed: int = 0, later_ratio: dict | None = None,
+                threshold: float = 0.05, alpha: float = 0.05, max_rounds: int = 45, **kw) -> ABMeasurement:
+    """Pairs with the given true ratios; while a pair's verdict is open it gets another trial (its true ratio
+    from `later_ratio`, default the same), up to max_rounds - what bench.run.ab_pairs.measure_pairs does."""
     rng = np.random.default_rng(seed)
+    n_rounds = kw.get("n_rounds", 15)
+    looks = planned_looks(n_rounds, max_rounds)
     pairs = []
     for (case_id, impl), ratio in ratios.items():
         rec = record(case_id, impl, [1e-4] * 5)
         pm = PairMeasurement(case_id, impl, f"{case_id} {LABEL}", "interleaved", rec, rec, rounds_for(rng, ratio, **kw))
-        if st.needs_second_trial(pm.rounds, seed_for(f"{case_id}|{impl}", 0), threshold, alpha):
-            again = (second_ratio or {}).get((case_id, impl), ratio)
-            pm.confirm_rounds = rounds_for(rng, again, **kw)
         pairs.append(pm)
-    return ABMeasurement(side("BASE"), side("NEW"), pairs, [], [], 15, 0.005, 3, 12.0)
+    for look in range(1, len(looks)):
+        for pm in pairs:
+            if len(pm.trials()) == look and still_open(pm.trials(), seed_for(f"{pm.case_id}|{pm.impl}", 0), looks,
+                                                       threshold, alpha):
+                again = (later_ratio or {}).get((pm.case_id, pm.impl), ratios[pm.key])
+                pm.more_trials.append(rounds_for(rng, again, **{**kw, "n_rounds": looks[look] - looks[look - 1]}))
+    return ABMeasurement(side("BASE"), side("NEW"), pairs, [], [], n_rounds, 0.005, 3, 12.0, looks=looks)
 
 
 def test_aa_is_quiet_over_many_pairs_and_seeds():
@@ -83,7 +90,7 @@ def test_planted_ten_percent_is_found_and_nothing_else():
     assert result.exit_code == 1
     for p in slower:  # the interval lies past the threshold, and the MDE is stated
         assert p.test is not None and p.test.ci_low > 1.05 and p.mde is not None and 0.05 < p.mde < 0.2
-        assert p.second is not None and p.second.ratio > 1.05
+        assert len(p.trials) >= 2 and st.trials_past(st.SLOWER, p.trials, 0.05) >= 2
 
 
 def test_planted_improvement_is_faster_and_not_a_regression():
@@ -92,20 +99,34 @@ def test_planted_improvement_is_faster_and_not_a_regression():
     assert result.improvements() and not result.regressions()
 
 
-def test_a_change_the_second_trial_does_not_repeat_is_not_a_verdict():
+def test_a_change_later_trials_do_not_repeat_is_not_a_verdict():
     """One worker favoured for a few seconds: +30% in the first trial, nothing on fresh workers."""
     ratios = {("c0", "dense"): 1.3, ("c1", "dense"): 1.3, ("c2", "dense"): 1.0}
-    result = compare_ab(measurement(ratios, seed=1, second_ratio={("c0", "dense"): 1.0, ("c1", "dense"): 1.0}))
-    transient = [p for p in result.pairs if p.not_repeated]
-    assert len(transient) == 2 and not any(p.verdict in (st.SLOWER, st.FASTER) for p in transient)
+    result = compare_ab(measurement(ratios, seed=1, later_ratio={("c0", "dense"): 1.0, ("c1", "dense"): 1.0}))
+    transient = result.pairs[:2]
+    assert all(len(p.trials) >= 2 for p in transient)  # open after the first trial: looked at again
+    assert not any(p.verdict in (st.SLOWER, st.FASTER) for p in result.pairs)
     assert result.exit_code == 0
-    assert sum("second trial on fresh workers" in n and "transient" in n for n in result.notes) == 1
+    assert len(result.pairs[2].trials) == 1  # SAME after its first trial: no rounds added
     doc = result.to_json()
-    assert [p["time"]["not_repeated"] for p in doc["pairs"]] == [True, True, False]
+    assert [len(p["time"]["trials"]) for p in doc["pairs"]] == [len(p.trials) for p in result.pairs]
+    assert sum("got more trials on fresh workers" in n for n in result.notes) == 1
+
+
+def test_slower_needs_two_trials_past_the_threshold_on_their_own():
+    """The rule behind SLOWER beside the pooled test: a pooled reading past the threshold with one trial past it
+    alone is AMBIGUOUS (not_repeated); with two it stands."""
+    rng = np.random.default_rng(3)
+    far, near = rounds_for(rng, 1.3), rounds_for(rng, 1.02)
+    pooled = st.paired_test(far, 1)  # as if every round had read +30%
+    one = PairTime(pooled, (st.paired_test(far, 1), st.paired_test(near, 1)), 1e-6)
+    two = PairTime(pooled, (st.paired_test(far, 1), st.paired_test(rounds_for(rng, 1.3), 1)), 1e-6)
+    assert time_verdict(one, 1e-6, 0.05, 0.05) == (st.AMBIGUOUS, True)
+    assert time_verdict(two, 1e-6, 0.05, 0.05) == (st.SLOWER, False)
 
 
 def test_without_a_second_trial_nothing_is_slower():
-    """SLOWER needs the change repeated: a measurement that never ran a second trial cannot fail on time."""
+    """SLOWER needs the change repeated: a measurement with no look after the first cannot fail on time."""
     rng = np.random.default_rng(5)
     rec = record("c0", "dense", [1e-4] * 5)
     pm = PairMeasurement("c0", "dense", LABEL, "interleaved", rec, rec, rounds_for(rng, 1.5))
@@ -208,5 +229,9 @@ def test_json_has_no_nan_and_keeps_the_rounds():
     doc = json.loads(json.dumps(result.to_json(), allow_nan=False))
     assert doc["schema"] == "bench-ab/1" and doc["exit_code"] == 1
     timed = [p for p in doc["pairs"] if p["time"]]
-    assert all(len(p["time"]["round_values_s"]) == 15 and p["time"]["mde_pct"] > 0 for p in timed)
+    for p in timed:
+        t = p["time"]
+        assert len(t["round_values_s"]) == sum(x["rounds"] for x in t["trials"]) == 15 * t["looks"]
+        assert t["mde_pct"] > 0
+    assert doc["settings"]["looks"] == [15, 30, 45]
     assert doc["summary"]["regressions"] == 3 and doc["settings"]["threshold_pct"] == 5.0

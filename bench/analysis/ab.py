@@ -4,8 +4,9 @@ For every (case, impl) both sides ran:
 
 - deterministic figures (status, FLOPs, density, correctness numbers, communication bytes, CUDA peak memory) are
   compared exactly with `bench compare`'s own comparison (bench.analysis.compare.figure_changes);
-- interleaved pairs get a time verdict from their paired per-round ratios (bench.analysis.ab_stats), with the
-  p-values of all of them corrected together (Benjamini-Hochberg) and a minimum detectable effect each;
+- interleaved pairs get a time verdict from their paired per-round ratios over every trial they had
+  (bench.analysis.ab_stats), each pair's sequential p-value over its looks (bench.analysis.ab_sequential)
+  corrected with all the others' (Benjamini-Hochberg), and a minimum detectable effect each;
 - pairs whose time is not interleaved (Triton interpreter, distributed, a side that ended early) say why.
 
 Regressions (exit 1): a SLOWER verdict, a pair that became failed or incorrect, more communication bytes.
@@ -24,7 +25,15 @@ from typing import Any
 from rich.console import Console
 
 from bench.analysis import ab_stats as st
-from bench.analysis.ab_sequential import ImplVerdict, impl_verdict
+from bench.analysis.ab_sequential import (
+    ImplVerdict,
+    PairTime,
+    impl_verdict,
+    pair_time,
+    smallest_sequential_p,
+    still_open,
+    time_verdict,
+)
 from bench.analysis.compare import Change, figure_changes
 from bench.analysis.stats import benjamini_hochberg, busy_side, refuse_busy, seed_for
 from bench.errors import BadInput
@@ -54,7 +63,8 @@ class ABPair:
     mode: str
     base_status: str
     new_status: str
-    test: st.PairedTest | None = None
+    test: st.PairedTest | None = None  # every trial's rounds pooled
+    p_sequential: float | None = None  # over the looks taken (bench.analysis.ab_sequential.sequential_p)
     q_value: float | None = None
     verdict: str | None = None  # the time verdict; None where time was not interleaved
     time_note: str | None = None  # why there is no time verdict
@@ -63,10 +73,9 @@ class ABPair:
     reason: str | None = None  # NEW's reason (or BASE's) when a side did not run ok
     round_medians: list[tuple[float, float]] = field(default_factory=list)  # (BASE, NEW) block times per round
     orders: list[str] = field(default_factory=list)  # per round: "BN" (BASE first) or "NB"
-    first: st.PairedTest | None = None  # the first trial alone, when there was a second
-    second: st.PairedTest | None = None  # the second trial (fresh workers) alone; `test` pools both
-    second_medians: list[tuple[float, float]] = field(default_factory=list)
-    not_repeated: bool = False  # the rounds read SLOWER or FASTER, the second trial alone did not repeat it
+    trials: list[st.PairedTest] = field(default_factory=list)  # each trial alone (the first, then one per look)
+    trial_rounds: list[int] = field(default_factory=list)  # rounds in each trial
+    not_repeated: bool = False  # the rounds read SLOWER or FASTER, but not two trials on their own
     busy: str | None = None  # a side timed on a busy machine: a change is NOISY, not SLOWER or FASTER
 
     @property
@@ -121,7 +130,8 @@ class ABResult:
         return {
             "schema": SCHEMA,
             "base": _side_json(m.base), "new": _side_json(m.new),
-            "settings": {"rounds": m.rounds, "block_ms": m.block_s * 1e3, "block_calls": m.block_calls,
+            "settings": {"rounds": m.rounds, "looks": m.planned_looks(), "budget_s": _num(m.budget_s),
+                         "left_open": m.left_open, "block_ms": m.block_s * 1e3, "block_calls": m.block_calls,
                          "threads": m.threads, "cpus": m.cpus, "threshold_pct": self.threshold_pct, "alpha": self.alpha,
                          "confidence": st.CONFIDENCE, "power": st.POWER},
             "pairs": [_pair_json(p) for p in self.pairs],
@@ -163,10 +173,10 @@ def _pair_json(p: ABPair) -> dict[str, Any]:
                 "p_value": _num(t.p_value), "q_value": _num(p.q_value), "sigma_log": _num(t.sigma),
                 "se_log": _num(t.se), "mde_pct": _num(p.mde * 100) if p.mde is not None else None,
                 "median_base_s": _num(t.median_base), "median_new_s": _num(t.median_new), "note": t.note,
+                "p_sequential": _num(p.p_sequential), "looks": len(p.trials),
                 "round_values_s": [[_num(b), _num(n)] for b, n in p.round_medians], "orders": p.orders,
-                "first_ratio": _num(p.first.ratio) if p.first else None,
-                "second_ratio": _num(p.second.ratio) if p.second else None,
-                "second_round_values_s": [[_num(b), _num(n)] for b, n in p.second_medians],
+                "trials": [{"rounds": n, "ratio": _num(t.ratio)} for t, n in zip(p.trials, p.trial_rounds,
+                                                                                  strict=True)],
                 "not_repeated": p.not_repeated}
     return {"case_id": p.case_id, "impl": p.impl, "label": p.label, "mode": p.mode, "base_status": p.base_status,
             "new_status": p.new_status, "verdict": p.verdict, "time": time, "time_note": p.time_note,
@@ -195,32 +205,32 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
     """Verdicts for a measurement; pure given it (the bootstrap is seeded per (case, impl) from `seed`)."""
     check_levels(threshold_pct, alpha)
     threshold = threshold_pct / 100
+    looks = measurement.planned_looks()
+    timed: dict[int, PairTime] = {}
     pairs: list[ABPair] = []
     for pm in measurement.pairs:
-        pairs.append(_pair(pm, seed))
-    tested = [p for p in pairs if p.test is not None and p.test.note is None]
-    for pair, q in zip(tested, benjamini_hochberg([p.test.p_value for p in tested if p.test]), strict=True):
-        pair.q_value = q
-    for pm, pair in zip(measurement.pairs, pairs, strict=True):
-        if pair.test is not None:
-            pair.verdict = st.verdict(pair.test, pair.q_value if pair.q_value is not None else 1.0, threshold, alpha)
-            pair.mde = st.mde(pair.test, threshold, alpha)
-            # SLOWER or FASTER needs a second trial that repeats the first trial's change
-            first = pair.first or pair.test
-            direction = st.SLOWER if first.ratio > 1 else st.FASTER
-            if (pair.second is not None or pair.verdict in (st.SLOWER, st.FASTER)) \
-                    and not st.repeated(direction, pair.second, threshold):
-                pair.not_repeated = True
-                if pair.verdict in (st.SLOWER, st.FASTER):
-                    pair.verdict = st.AMBIGUOUS
-            pair.busy = busy_side([("BASE", [pm.base]), ("NEW", [pm.new])])
-            pair.verdict = refuse_busy(pair.verdict, pair.busy)
+        pair = _pair(pm)
+        if pair.trial_rounds:
+            timed[len(pairs)] = pt = pair_time(pm.trials(), seed_for(f"{pm.case_id}|{pm.impl}", seed), looks, alpha)
+            pair.test, pair.trials, pair.p_sequential = pt.pooled, list(pt.trials), pt.p_sequential
+        pairs.append(pair)
+    tested = [i for i in timed if timed[i].pooled.note is None]
+    for i, q in zip(tested, benjamini_hochberg([timed[i].p_sequential for i in tested]), strict=True):
+        pairs[i].q_value = q
+    for i, pt in timed.items():
+        pair, pm = pairs[i], measurement.pairs[i]
+        pair.verdict, pair.not_repeated = time_verdict(pt, pair.q_value if pair.q_value is not None else 1.0,
+                                                       threshold, alpha)
+        pair.mde = st.mde(pt.pooled, threshold, alpha)
+        pair.busy = busy_side([("BASE", [pm.base]), ("NEW", [pm.new])])
+        pair.verdict = refuse_busy(pair.verdict, pair.busy)
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
     notes = _notes(measurement, pairs, threshold, alpha, len(tested))
     impls = [v for name in dict.fromkeys(p.impl for p in pairs)
-             if (v := impl_verdict(name, [(p.test, p.verdict, p.busy is not None) for p in pairs
-                                          if p.impl == name and p.test is not None], threshold, alpha)) is not None]
+             if (v := impl_verdict(name, [(p.test, p.p_sequential, p.verdict, p.busy is not None) for p in pairs
+                                          if p.impl == name and p.test is not None and p.p_sequential is not None],
+                                   threshold, alpha)) is not None]
     return ABResult(measurement, threshold_pct, alpha, pairs, only_base, only_new, notes, impls)
 
 
@@ -231,7 +241,8 @@ def check_levels(threshold_pct: float, alpha: float) -> None:
         raise BadInput(f"got {alpha}; a level strictly between 0 and 1", field="--alpha")
 
 
-def _pair(pm: PairMeasurement, seed: int) -> ABPair:
+def _pair(pm: PairMeasurement) -> ABPair:
+    """The pair's statuses, figure changes and rounds; its time verdict is compare_ab's."""
     pair = ABPair(pm.case_id, pm.impl, pm.label, pm.mode, _status(pm.base), _status(pm.new))
     if pm.base is not None and pm.new is not None:
         pair.changes = figure_changes([pm.base], [pm.new])
@@ -239,14 +250,9 @@ def _pair(pm: PairMeasurement, seed: int) -> ABPair:
         if record is not None and record.status != "ok" and record.reason and pair.reason is None:
             pair.reason = record.reason
     if pm.mode == INTERLEAVED and pair.base_status == "ok" and pair.new_status == "ok":
-        pair_seed = seed_for(f"{pm.case_id}|{pm.impl}", seed)
-        pair.test = st.paired_test([*pm.rounds, *pm.confirm_rounds], pair_seed)
-        pair.round_medians = _medians(pm.rounds)
-        pair.orders = list(pm.orders)
-        if pm.confirm_rounds:
-            pair.first = st.paired_test(pm.rounds, pair_seed)
-            pair.second = st.paired_test(pm.confirm_rounds, pair_seed)
-            pair.second_medians = _medians(pm.confirm_rounds)
+        pair.trial_rounds = [len(trial) for trial in pm.trials()]
+        pair.round_medians = [m for trial in pm.trials() for m in _medians(trial)]
+        pair.orders = [o for orders in (pm.orders, *pm.more_orders) for o in orders]
     else:
         pair.time_note = pm.note or ("a side did not run ok" if pm.mode == INTERLEAVED else pm.mode)
     return pair
@@ -265,13 +271,17 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
             notes.append(text.format(n=n))
     transient = [p for p in pairs if p.not_repeated]
     if transient:
-        notes.append(f"{len(transient)} pair(s) read SLOWER or FASTER in their rounds but not again in a second trial "
-                     "on fresh workers: a transient state of one side's process, not called SLOWER or FASTER")
-    seconds = sum(p.second is not None for p in pairs)
-    if seconds:
-        notes.append(f"{seconds} pair(s) that could read SLOWER or FASTER were measured again on fresh workers after "
-                     "the others (a second trial); their verdicts pool both trials and stand only if the second "
-                     "repeats the change")
+        notes.append(f"{len(transient)} pair(s) read SLOWER or FASTER over their rounds but not in two trials on "
+                     "their own (each trial on fresh workers): possibly a transient state of one side's process, "
+                     "not called SLOWER or FASTER")
+    looked = [p for p in pairs if len(p.trials) > 1]
+    if looked:
+        notes.append(f"{len(looked)} pair(s) whose verdict was open after {m.rounds} rounds got more trials on fresh "
+                     f"workers (looks at {', '.join(map(str, m.planned_looks()))} rounds; O'Brien-Fleming alpha "
+                     "spending holds the error rate over the looks)")
+    if m.left_open:
+        notes.append(f"the time budget ({_duration_s(m.budget_s)}) ran out with {m.left_open} pair(s) still open: "
+                     "their verdicts are from the rounds they had (--budget-s, --max-rounds)")
     busy = [p for p in pairs if p.busy is not None]
     if busy:
         notes.append(f"{len(busy)} pair(s) had a side timed on a busy machine (e.g. {busy[0].busy}): a change "
@@ -281,11 +291,13 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
         worst = max(p.mde or 0.0 for p in noisy)
         notes.append(f"{len(noisy)} pairs were too noisy for the {threshold:.0%} threshold (MDE up to "
                      f"{_pct(worst)}): more --rounds, longer blocks (--block-ms) or a quieter machine")
-    if n_tested and st.smallest_p(m.rounds) * n_tested > alpha:
+    looks = m.planned_looks()
+    if n_tested and smallest_sequential_p(looks, alpha) * n_tested > alpha:
         need = math.ceil(math.log2(2 * n_tested / alpha)) + 2
-        notes.append(f"with {m.rounds} rounds and {n_tested} pairs, a change in one pair alone cannot reach q < "
-                     f"{alpha:g} (smallest p 2/2^{m.rounds}); only changes shared by several pairs can be found. "
-                     f"Use --rounds {need} or more to catch a single pair")
+        notes.append(f"with at most {looks[-1]} rounds and {n_tested} pairs, a change in one pair alone cannot reach "
+                     f"q < {alpha:g} (smallest sequential p {smallest_sequential_p(looks, alpha):.2g}); only changes "
+                     f"shared by several pairs can be found. Use --max-rounds {need + 2} or more to catch a single "
+                     "pair")
     fingerprints = {m.base.env.get("fingerprint"), m.new.env.get("fingerprint")}
     if len(fingerprints) > 1:
         notes.append("the two checkouts describe this machine differently (environment fingerprints "
@@ -305,6 +317,10 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
     return notes
 
 
+def _duration_s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f} s"
+
+
 def _pct(fraction: float | None) -> str:
     if fraction is None or not math.isfinite(fraction):
         return "-"
@@ -317,9 +333,9 @@ def run_ab(options: ABOptions, console: Console, *, threshold_pct: float = DEFAU
     check_levels(threshold_pct, alpha)  # before minutes of measuring
     threshold = threshold_pct / 100
 
-    def confirm(pm: PairMeasurement) -> bool:
-        return st.needs_second_trial(pm.rounds, seed_for(f"{pm.case_id}|{pm.impl}", options.seed), threshold, alpha)
+    def is_open(pm: PairMeasurement, looks: list[int]) -> bool:
+        return still_open(pm.trials(), seed_for(f"{pm.case_id}|{pm.impl}", options.seed), looks, threshold, alpha)
 
-    measurement = measure_ab(options, console, describe, confirm)
+    measurement = measure_ab(options, console, describe, is_open)
     return compare_ab(measurement, threshold_pct=threshold_pct, alpha=alpha, seed=options.seed)
 

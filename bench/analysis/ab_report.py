@@ -92,8 +92,8 @@ def pair_lines(pair: ABPair, label: str, width: int) -> list[tuple[str, str | No
     if pair.verdict is not None:
         head = f"  {pair.verdict:<9} {pct(pair.test.ratio) if pair.test else '-':>7} {interval(pair)}" \
                f"  q {format_p(pair.q_value)}  MDE {mde_text(pair)}"
-        if pair.second is not None:  # the second trial on fresh workers, alone
-            head += f"  2nd {pct(pair.second.ratio)}"
+        if len(pair.trials) > 1:  # each trial alone (the later ones on fresh workers)
+            head += f"  trials {' '.join(pct(t.ratio) for t in pair.trials)}"
         for i, text in enumerate(_fit(head, who, width)):
             lines.append((text, VERDICT_STYLE[pair.verdict] if i == 0 else None))
     else:
@@ -121,9 +121,11 @@ def _duration(seconds: float) -> str:
 def settings_line(result: ABResult) -> str:
     m = result.measurement
     threads = "torch's default threads" if m.threads == 0 else f"{m.threads} thread{'s' * (m.threads > 1)}"
-    return (f"{m.rounds} rounds per pair, blocks of >= {m.block_calls} calls and {m.block_s * 1e3:g} ms, {threads} "
-            f"per worker; threshold {result.threshold_pct:g}%, alpha {result.alpha:g} (BH), MDE at power "
-            f"{st.POWER:g}; {_duration(m.wall_s)}")
+    looks = m.planned_looks()
+    more = f" (up to {looks[-1]} while open)" if len(looks) > 1 else ""
+    return (f"{m.rounds} rounds per pair{more}, blocks of >= {m.block_calls} calls and {m.block_s * 1e3:g} ms, "
+            f"{threads} per worker; threshold {result.threshold_pct:g}%, alpha {result.alpha:g} (sequential, BH), "
+            f"MDE at power {st.POWER:g}; {_duration(m.wall_s)}")
 
 
 def side_title(result: ABResult, role: str) -> str:

@@ -3,17 +3,22 @@ for adding rounds where a verdict is still open.
 
 Implementation verdict. A change in an implementation's code usually moves all of its cases; each case alone may
 lack the rounds to prove it. Across the implementation's interleaved pairs: the signed z of each pair's two-sided
-p-value (Stouffer: z_i = sign(log ratio_i) * Phi^-1(1 - p_i / 2)), combined as Z = sum z_i / sqrt(k), and the
-geometric mean of the pairs' ratios. SLOWER: the combined two-sided p < alpha and the geometric mean past 1 +
-threshold; FASTER mirrored; SAME: the geometric mean inside the band and no pair SLOWER or FASTER; else AMBIGUOUS;
-and NOISY when a pair of it was timed busy and the rule would call a change.
+sequential p-value (below; Stouffer: z_i = sign(log ratio_i) * Phi^-1(1 - p_i / 2)), combined as
+Z = sum z_i / sqrt(k), and the geometric mean of the pairs' ratios. SLOWER: the combined two-sided p < alpha and
+the geometric mean past 1 + threshold; FASTER mirrored; SAME: the geometric mean inside the band and no pair
+SLOWER or FASTER; else AMBIGUOUS; and NOISY when a pair of it was timed busy and the rule would call a change.
 
-Sequential rule (looks at rounds n_1 < n_2 < ... <= n_max): Lan-DeMets alpha spending with the O'Brien-Fleming
-function alpha(t) = 2 - 2 Phi(z_{1-alpha/2} / sqrt(t)), t = n_k / n_max. Look k may reject at the nominal level
-alpha(t_k) - alpha(t_{k-1}) (the increment spent there); by the union bound over looks the chance that any look
-rejects a true null is at most alpha(1) = alpha. (The exact group-sequential boundaries are a little wider at late
-looks; the increments are the conservative, closed form.) `tests/test_ab_sequential.py` checks both error rates by
-simulation.
+Sequential rule. A pair is first seen after R rounds; while its verdict is still open (NOISY, AMBIGUOUS, or a
+change not yet seen in two trials) bench ab adds a trial of R more rounds on fresh workers, up to --max-rounds
+(looks n_1 = R < n_2 = 2R < ... <= n_max) and while the run's time budget lasts. The error rate is held with
+Lan-DeMets alpha spending and the O'Brien-Fleming function alpha(t) = 2 - 2 Phi(z_{1-alpha/2} / sqrt(t)),
+t = n_k / n_max: look k may reject at the nominal level a_k = alpha(t_k) - alpha(t_{k-1}), the increment spent
+there (the a_k add up to alpha, little of it early). Across pairs this becomes one p-value per pair,
+p_seq = min_k p_k / w_k with w_k = a_k / alpha (weights adding up to 1): with no change, P(p_seq <= u) <=
+sum_k u w_k = u by the union bound over looks, so p_seq is a valid p-value whatever the data made the run stop
+at, and Benjamini-Hochberg across pairs takes it like any other. p_seq < alpha is exactly "some look k had
+p_k < a_k". (The exact group-sequential boundaries are a little wider at late looks; the increments are the
+conservative, closed form.) `tests/test_ab_sequential.py` checks both error rates by simulation.
 """
 
 from __future__ import annotations
@@ -41,6 +46,17 @@ def look_levels(looks: Sequence[int], alpha: float) -> list[float]:
     return [s - (spent[i - 1] if i else 0.0) for i, s in enumerate(spent)]
 
 
+def sequential_p(p_values: Sequence[float], looks: Sequence[int], alpha: float) -> float:
+    """The pair's p-value over the looks it had (p_values[k]: the test on every round up to look k)."""
+    levels = look_levels(looks, alpha)
+    return min(1.0, min((p * alpha / level for p, level in zip(p_values, levels, strict=False)), default=1.0))
+
+
+def smallest_sequential_p(looks: Sequence[int], alpha: float) -> float:
+    """The smallest p_seq a pair can reach: every round of a look the same sign (signed-rank p = 2 / 2^n)."""
+    return sequential_p([st.smallest_p(n) for n in looks], looks, alpha)
+
+
 def sequential_decision(p_values: Sequence[float], looks: Sequence[int], alpha: float) -> int | None:
     """The first look (index) whose p-value is under its level, or None: the verdict stays open."""
     for k, (p, level) in enumerate(zip(p_values, look_levels(looks, alpha), strict=False)):
@@ -60,20 +76,22 @@ class ImplVerdict:
     faster_pairs: int
 
 
-def impl_verdict(impl: str, tests: Sequence[tuple[st.PairedTest, str | None, bool]], threshold: float,
+def impl_verdict(impl: str, tests: Sequence[tuple[st.PairedTest, float, str | None, bool]], threshold: float,
                  alpha: float) -> ImplVerdict | None:
-    """The verdict of one implementation from (its pairs' tests, their verdicts, busy) ; None without tests."""
-    usable = [(t, v, busy) for t, v, busy in tests if t.note is None and t.ratio > 0 and math.isfinite(t.ratio)]
+    """The verdict of one implementation from (its pairs' pooled tests, sequential p-values, verdicts, busy);
+    None without tests."""
+    usable = [(t, p, v, busy) for t, p, v, busy in tests
+              if t.note is None and t.ratio > 0 and math.isfinite(t.ratio)]
     if not usable:
         return None
-    logs = [math.log(t.ratio) for t, _, _ in usable]
-    zs = [math.copysign(float(stats.norm.isf(min(max(t.p_value, 1e-300), 1.0) / 2)), lg)
-          for (t, _, _), lg in zip(usable, logs, strict=True)]
+    logs = [math.log(t.ratio) for t, _, _, _ in usable]
+    zs = [math.copysign(float(stats.norm.isf(min(max(p, 1e-300), 1.0) / 2)), lg)
+          for (_, p, _, _), lg in zip(usable, logs, strict=True)]
     z = sum(zs) / math.sqrt(len(zs))
     p = float(2 * stats.norm.sf(abs(z)))
     mean_log = sum(logs) / len(logs)
-    slower = sum(v == st.SLOWER for _, v, _ in usable)
-    faster = sum(v == st.FASTER for _, v, _ in usable)
+    slower = sum(v == st.SLOWER for _, _, v, _ in usable)
+    faster = sum(v == st.FASTER for _, _, v, _ in usable)
     band = math.log1p(threshold)
     if p < alpha and mean_log > band:
         verdict = st.SLOWER
@@ -83,6 +101,51 @@ def impl_verdict(impl: str, tests: Sequence[tuple[st.PairedTest, str | None, boo
         verdict = st.SAME
     else:
         verdict = st.AMBIGUOUS
-    if verdict in (st.SLOWER, st.FASTER) and any(busy for _, _, busy in usable):
+    if verdict in (st.SLOWER, st.FASTER) and any(busy for _, _, _, busy in usable):
         verdict = st.NOISY
     return ImplVerdict(impl, len(usable), math.exp(mean_log), p, verdict, slower, faster)
+
+
+# --- one pair over its trials ----------------------------------------------------------------------------------
+
+Rounds = Sequence[tuple[Sequence[float], Sequence[float]]]
+
+
+@dataclass(frozen=True)
+class PairTime:
+    """One interleaved pair seen over its trials (trial 1: the first R rounds; each later trial: one more look,
+    on fresh workers)."""
+
+    pooled: st.PairedTest  # every round of every trial
+    trials: tuple[st.PairedTest, ...]  # each trial alone
+    p_sequential: float  # sequential_p over the looks taken
+
+
+def pair_time(trials: Sequence[Rounds], seed: int, looks: Sequence[int], alpha: float) -> PairTime:
+    pooled_rounds: list[tuple[Sequence[float], Sequence[float]]] = []
+    p_at_looks = []
+    for trial in trials:
+        pooled_rounds.extend(trial)
+        p_at_looks.append(st.paired_test(pooled_rounds, seed).p_value)
+    pooled = st.paired_test(pooled_rounds, seed)
+    return PairTime(pooled, tuple(st.paired_test(t, seed) for t in trials), sequential_p(p_at_looks, looks, alpha))
+
+
+def time_verdict(pt: PairTime, q_value: float, threshold: float, alpha: float) -> tuple[str, bool]:
+    """(verdict, not_repeated). The pooled rounds give the verdict (ab_stats.verdict); SLOWER or FASTER also
+    needs two trials, each on its own past the threshold that way: a state favouring one worker process for
+    seconds fakes a change in one trial, not in two on different processes. Else AMBIGUOUS, not_repeated."""
+    verdict = st.verdict(pt.pooled, q_value, threshold, alpha)
+    if verdict in (st.SLOWER, st.FASTER) and st.trials_past(verdict, pt.trials, threshold) < 2:
+        return st.AMBIGUOUS, True
+    return verdict, False
+
+
+def still_open(trials: Sequence[Rounds], seed: int, looks: Sequence[int], threshold: float, alpha: float) -> bool:
+    """Would another look help this pair? Its verdict with its own sequential p (BH's q is never smaller) is
+    NOISY or AMBIGUOUS (a change seen in one trial only included); SAME and a repeated change are decided."""
+    if len(trials) >= len(looks):
+        return False
+    pt = pair_time(trials, seed, looks, alpha)
+    verdict, _ = time_verdict(pt, pt.p_sequential, threshold, alpha)
+    return verdict in (st.NOISY, st.AMBIGUOUS)

@@ -31,10 +31,11 @@ Verdicts, with t = log(1 + threshold) and [lo, hi] the interval of the median of
 A/A-like noise therefore gives SAME, NOISY or AMBIGUOUS, never SLOWER unless the noise itself is paired with one
 side for a whole pair. That does happen: a state that favours one worker process for seconds (where the scheduler
 put it, its memory layout) read as +20% to +50% in a few consecutive pairs of A/A runs on the shared 2-core
-machine. So a pair that could read SLOWER or FASTER after its R rounds (`needs_second_trial`, unadjusted p) gets a
-second trial of R rounds on fresh workers after all the others; its verdict comes from both trials' rounds
-together, and SLOWER or FASTER stands only if the second trial alone repeats it (`repeated`: its median ratio past
-the threshold the same way). A real change repeats; a transient state of one process does not.
+machine. So a pair whose verdict is still open after its R rounds - a change seen once included - gets more
+trials of R rounds on fresh workers after all the others (bench.analysis.ab_sequential: the looks, the error rate
+held over them); its verdict comes from every trial's rounds together, and SLOWER or FASTER stands only if two
+trials on their own read past the threshold the same way (`trials_past`). A real change repeats; a transient
+state of one process does not.
 """
 
 from __future__ import annotations
@@ -161,17 +162,12 @@ def verdict(test: PairedTest, q_value: float, threshold: float, alpha: float) ->
     return judged
 
 
-def needs_second_trial(rounds: Sequence[tuple[Sequence[float], Sequence[float]]], seed: int, threshold: float,
-                       alpha: float) -> bool:
-    """Could this pair read SLOWER or FASTER? (Its verdict with the unadjusted p-value: BH's q is never smaller.)"""
-    test = paired_test(rounds, seed)
-    return verdict(test, test.p_value, threshold, alpha) in (SLOWER, FASTER)
-
-
-def repeated(first_verdict: str, second: PairedTest | None, threshold: float) -> bool:
-    """Does the second trial's median ratio lie past the threshold in the direction of `first_verdict`?"""
-    if second is None or second.note is not None or not math.isfinite(second.ratio):
-        return False
+def trials_past(direction: str, trials: Sequence[PairedTest], threshold: float) -> int:
+    """How many trials, each on its own, read a median ratio past the threshold in `direction` (SLOWER/FASTER)."""
     t = math.log1p(threshold)
-    d = math.log(second.ratio)
-    return d > t if first_verdict == SLOWER else d < -t
+    past = 0
+    for trial in trials:
+        if trial.note is None and math.isfinite(trial.ratio) and trial.ratio > 0:
+            d = math.log(trial.ratio)
+            past += d > t if direction == SLOWER else d < -t
+    return past

@@ -10,7 +10,10 @@ are that side's. Then, for every (case, impl) both sides have:
    `block_s` seconds), back to back, in an order drawn at random with as many BASE-first as NEW-first rounds
    (randomized multiple interleaved trials, Abedi & Brecht 2017): drift of the machine falls on both sides of
    every round alike, and the analysis compares sides within rounds;
-3. both close the pair (`Close`: memory, and the record whose time_s holds every block's samples).
+3. both close the pair (`Close`: memory, and the record whose time_s holds every block's samples);
+4. after every pair: where a pair's verdict is still open, more looks - a trial of R more rounds on fresh
+   workers - up to --max-rounds and while the time budget lasts (bench.analysis.ab_sequential holds the error
+   rate over the looks).
 
 Pairs timed through the Triton interpreter (correctness only on CPU) get one block per side, and distributed
 pairs (world_size > 1: fresh rank processes per measurement, started by that side's worker, `MeasureRanks`) one
@@ -42,8 +45,10 @@ from bench.results.store import RECORDS, RUN_JSON, RecordWriter, create_run_dir,
 from bench.run import messages
 from bench.run.ab_pairs import measure_pairs, round_orders
 from bench.run.ab_side import (
+    BUDGET_FACTOR,
     DEFAULT_BLOCK_CALLS,
     DEFAULT_BLOCK_S,
+    DEFAULT_MAX_ROUNDS_FACTOR,
     DEFAULT_ROUNDS,
     DEFAULT_THREADS,
     DISTRIBUTED,
@@ -61,9 +66,9 @@ from bench.run.ab_side import (
 )
 from bench.run.worktrees import Checkout, Worktrees, check_revision, checkout_dir, repo_root, suite_relative
 
-__all__ = ["DEFAULT_BLOCK_CALLS", "DEFAULT_BLOCK_S", "DEFAULT_ROUNDS", "DEFAULT_THREADS", "DISTRIBUTED", "ENDED",
-           "INTERLEAVED", "INTERPRETER", "ONE_SIDE", "ABMeasurement", "ABOptions", "Interrupted",
-           "PairMeasurement", "SideRun", "measure_ab", "round_orders"]
+__all__ = ["BUDGET_FACTOR", "DEFAULT_BLOCK_CALLS", "DEFAULT_BLOCK_S", "DEFAULT_MAX_ROUNDS_FACTOR", "DEFAULT_ROUNDS",
+           "DEFAULT_THREADS", "DISTRIBUTED", "ENDED", "INTERLEAVED", "INTERPRETER", "ONE_SIDE", "ABMeasurement",
+           "ABOptions", "Interrupted", "PairMeasurement", "SideRun", "measure_ab", "round_orders"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -91,7 +96,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 
 def measure_ab(options: ABOptions, console: Console, describe: Callable[[PairMeasurement], str] | None = None,
-               confirm: Callable[[PairMeasurement], bool] | None = None) -> ABMeasurement:
+               still_open: Callable[[PairMeasurement, list[int]], bool] | None = None) -> ABMeasurement:
     """Measure both sides; raises BadInput for bad input (nothing left behind), Interrupted/KeyboardInterrupt
     when stopped (worktrees removed, records so far kept, runs left without finished_at)."""
     options.check()
@@ -128,7 +133,7 @@ def measure_ab(options: ABOptions, console: Console, describe: Callable[[PairMea
             sides = [Side(co, logs / f"{co.role.lower()}-worker.log", options.out, options.worker_env(), cpus)
                      for co in checkouts]
             _start_and_load(sides, options, suite_rel)
-            measurement = measure_pairs(sides, options, console, describe, confirm)
+            measurement = measure_pairs(sides, options, console, describe, still_open, started)
             measurement.wall_s = time.perf_counter() - started
             completed = True
             return measurement

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import random
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from bench.results.records import Record
 from bench.results.store import utc_now
 from bench.run import messages
 from bench.run.ab_side import (
+    BUDGET_FACTOR,
     DISTRIBUTED,
     ENDED,
     INTERLEAVED,
@@ -40,12 +42,15 @@ from bench.run.worker import Outcome
 
 
 def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
-                   describe: Callable[[PairMeasurement], str] | None,
-                   confirm: Callable[[PairMeasurement], bool] | None = None) -> ABMeasurement:
-    """Every pair once; then, for the pairs `confirm` picks (those that could read SLOWER or FASTER), a second
-    trial of R rounds on fresh workers (`confirm_rounds`). A state that favours one worker process for seconds
-    (its memory layout, where the scheduler put it) can fake a large change in the pairs measured meanwhile;
-    it does not survive new processes and a later moment, a real change does."""
+                  describe: Callable[[PairMeasurement], str] | None,
+                  still_open: Callable[[PairMeasurement, list[int]], bool] | None = None,
+                  started: float | None = None) -> ABMeasurement:
+    """Every pair once (the first look, R rounds); then, while some pairs' verdicts are open (`still_open`) and
+    the budget lasts, one more look: a trial of R more rounds of each open pair on fresh workers (both sides
+    restarted at once), up to the planned looks (options.looks()). A state that favours one worker process for
+    seconds (its memory layout, where the scheduler put it) can fake a large change in the pairs measured
+    meanwhile; it does not survive new processes and a later moment, a real change does."""
+    started = time.perf_counter() if started is None else started
     base, new = sides
     assert base.loaded is not None and new.loaded is not None
     b_pairs = {(p.case_id, p.impl): p for p in base.loaded.pairs}
@@ -55,6 +60,9 @@ def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
     pairs: list[PairMeasurement] = []
     only_base: list[PairMeasurement] = []
     only_new: list[PairMeasurement] = []
+    looks = options.looks()
+    budget_s = options.budget_s
+    left_open = 0
     try:
         for key in keys:
             bp, np_ = b_pairs.get(key), n_pairs.get(key)
@@ -72,20 +80,38 @@ def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
                                      record if side is new else None)
                 (only_base if side is base else only_new).append(pm)
             reporter.finish_line(describe(pm) if describe else _describe(pm))
-        doubtful = [pm for pm in pairs if pm.mode == INTERLEAVED and confirm is not None and confirm(pm)]
-        if doubtful:
-            _confirm(base, new, doubtful, b_pairs, n_pairs, options, reporter, describe)
+        if budget_s is None:
+            budget_s = BUDGET_FACTOR * (time.perf_counter() - started)
+        deadline = started + budget_s
+        given_up: set[Key] = set()  # a side failed in a later trial: its first trial's verdict stands
+        for look in range(1, len(looks)):
+            if still_open is None:
+                break
+            open_pairs = [pm for pm in pairs if pm.mode == INTERLEAVED and pm.key not in given_up
+                          and len(pm.trials()) == look and still_open(pm, looks)]
+            if not open_pairs:
+                break
+            if time.perf_counter() >= deadline:
+                left_open = len(open_pairs)
+                break
+            left_open = _add_look(base, new, open_pairs, looks[look] - looks[look - 1], b_pairs, n_pairs, options,
+                                  reporter, describe, deadline, given_up, look + 1)
+            if left_open:
+                break
     finally:
         reporter.close()
     assert base.run is not None and new.run is not None
     return ABMeasurement(base.run, new.run, pairs, only_base, only_new, options.rounds, options.block_s,
-                         options.block_calls, 0.0, options.threads, base.cpus)
+                         options.block_calls, 0.0, options.threads, base.cpus, looks=looks, budget_s=budget_s,
+                         left_open=left_open)
 
 
-def _confirm(base: Side, new: Side, doubtful: list[PairMeasurement], b_pairs: dict[Key, messages.SuitePair],
-             n_pairs: dict[Key, messages.SuitePair], options: ABOptions, reporter: Reporter,
-             describe: Callable[[PairMeasurement], str] | None) -> None:
-    """The second trial of each doubtful pair, on fresh workers of both sides (started at once); no record."""
+def _add_look(base: Side, new: Side, open_pairs: list[PairMeasurement], rounds: int,
+              b_pairs: dict[Key, messages.SuitePair], n_pairs: dict[Key, messages.SuitePair], options: ABOptions,
+              reporter: Reporter, describe: Callable[[PairMeasurement], str] | None, deadline: float,
+              given_up: set[Key], number: int) -> int:
+    """One more trial of `rounds` rounds of each open pair, on fresh workers of both sides (started at once); no
+    record is written. Returns how many open pairs the deadline left without it."""
     for side in (base, new):
         side.close()
     for side in (base, new):
@@ -94,14 +120,22 @@ def _confirm(base: Side, new: Side, doubtful: list[PairMeasurement], b_pairs: di
     for side in (base, new):
         if side.worker is not None:
             side.ready()
-    reporter.extend(len(doubtful))
-    for pm in doubtful:
+    reporter.extend(len(open_pairs))
+    for i, pm in enumerate(open_pairs):
+        if time.perf_counter() >= deadline:
+            reporter.extend(i - len(open_pairs))
+            return len(open_pairs) - i
         reporter.start(pm.label, pm.impl)
-        again = _measure_common(base, new, b_pairs[pm.key], n_pairs[pm.key], options, write=False)
-        pm.confirm_rounds = again.rounds if again.mode == INTERLEAVED else []
-        pm.confirm_orders = again.orders if again.mode == INTERLEAVED else []
+        again = _measure_common(base, new, b_pairs[pm.key], n_pairs[pm.key], options, write=False, n_rounds=rounds,
+                                trial=number)
+        if again.mode == INTERLEAVED and again.rounds:
+            pm.more_trials.append(again.rounds)
+            pm.more_orders.append(again.orders)
+        else:
+            given_up.add(pm.key)
         line = describe(pm) if describe else _describe(again)
-        reporter.finish_line(f"second trial: {line}")
+        reporter.finish_line(f"trial {number}: {line}")
+    return 0
 
 
 def _describe(pm: PairMeasurement) -> str:
@@ -113,8 +147,9 @@ def _describe(pm: PairMeasurement) -> str:
     return head + statuses + (f" ({pm.mode})" if pm.mode != ONE_SIDE else " (one side only)")
 
 
-def _pair_seed(options: ABOptions, key: Key) -> int:
-    digest = hashlib.sha256(f"{options.seed}:{key[0]}|{key[1]}".encode()).digest()
+def _pair_seed(options: ABOptions, key: Key, trial: int) -> int:
+    salt = "" if trial == 1 else f"#{trial}"  # the first trial's orders as before later trials existed
+    digest = hashlib.sha256(f"{options.seed}:{key[0]}|{key[1]}{salt}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
 
@@ -148,7 +183,8 @@ def _ranks_log(side: Side) -> Path | None:
 
 
 def _measure_common(base: Side, new: Side, bp: messages.SuitePair, np_: messages.SuitePair,
-                    options: ABOptions, write: bool = True) -> PairMeasurement:
+                    options: ABOptions, write: bool = True, n_rounds: int | None = None, trial: int = 1
+                    ) -> PairMeasurement:
     label = np_.label
     if bp.world_size > 1 or np_.world_size > 1:
         records = [_measure_alone(side, sp) for side, sp in ((base, bp), (new, np_))]
@@ -184,8 +220,8 @@ def _measure_common(base: Side, new: Side, bp: messages.SuitePair, np_: messages
                 session[name] = False
                 mode, note = ENDED, "a side failed during its warm-up: not interleaved"
     if mode == INTERLEAVED:
-        rng = random.Random(_pair_seed(options, (bp.case_id, bp.impl)))
-        for order in round_orders(options.rounds, rng):
+        rng = random.Random(_pair_seed(options, (bp.case_id, bp.impl), trial))
+        for order in round_orders(options.rounds if n_rounds is None else n_rounds, rng):
             samples: dict[str, list[float]] = {}
             for name in ("base", "new") if order == "BN" else ("new", "base"):
                 side, sp = sides[name]

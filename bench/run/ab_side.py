@@ -24,6 +24,10 @@ from bench.run.worker import WorkerProcess, WorkerStartError
 from bench.run.worktrees import Checkout
 
 DEFAULT_ROUNDS = 15
+# Rounds are added to a pair whose verdict is still open, one trial of R rounds at a time on fresh workers, up to
+# this many times R (--max-rounds) and while the run has not taken BUDGET_FACTOR times its first pass (--budget-s).
+DEFAULT_MAX_ROUNDS_FACTOR = 3
+BUDGET_FACTOR = 1.75
 # A block is at least this long and this many calls: long enough that its median ignores a call or two cut by
 # the scheduler (a time slice is a few ms; 5 ms blocks of 1 ms calls gave per-round ratios from 0.1 to 5 on the
 # loaded 2-core machine), short enough that the rounds of a pair lie within a second or two.
@@ -61,17 +65,28 @@ class ABOptions:
     seed: int = 0
     threads: int = DEFAULT_THREADS  # intra-op threads per worker; 0: torch's default
     cwd: Path | None = None  # default: the current directory
+    max_rounds: int | None = None  # default: DEFAULT_MAX_ROUNDS_FACTOR x rounds
+    budget_s: float | None = None  # no look is added past this wall time; default: BUDGET_FACTOR x the first pass
 
     def check(self) -> None:
         if not 2 <= self.rounds <= 10_000:
             raise BadInput(f"got {self.rounds}; rounds from 2 to 10000 (each round times both sides once)",
                            field="--rounds")
+        if self.max_rounds is not None and not self.rounds <= self.max_rounds <= 100_000:
+            raise BadInput(f"got {self.max_rounds}; at least --rounds ({self.rounds}) and at most 100000",
+                           field="--max-rounds")
+        if self.budget_s is not None and not self.budget_s >= 0:
+            raise BadInput(f"got {self.budget_s:g}; seconds >= 0", field="--budget-s")
         if not 0 <= self.block_s <= 60:
             raise BadInput(f"got {self.block_s * 1e3:g} ms; a block length from 0 to 60000 ms", field="--block-ms")
         if not 1 <= self.block_calls <= 1_000_000:
             raise BadInput(f"got {self.block_calls}; at least 1 call per block", field="--block-calls")
         if not 0 <= self.threads <= 4096:
             raise BadInput(f"got {self.threads}; a thread count >= 1, or 0 for torch's default", field="--threads")
+
+    def looks(self) -> list[int]:
+        return planned_looks(self.rounds, self.max_rounds if self.max_rounds is not None
+                             else DEFAULT_MAX_ROUNDS_FACTOR * self.rounds)
 
     def worker_env(self) -> dict[str, str]:
         """What both sides' workers get on top of this process's environment (besides PYTHONPATH)."""
@@ -110,9 +125,12 @@ class PairMeasurement:
     rounds: list[tuple[list[float], list[float]]] = field(default_factory=list)  # (BASE, NEW) samples per round
     orders: list[str] = field(default_factory=list)  # per round: "BN" (BASE first) or "NB"
     note: str | None = None
-    # the second trial (fresh workers, after every pair) of a pair that could read SLOWER or FASTER
-    confirm_rounds: list[tuple[list[float], list[float]]] = field(default_factory=list)
-    confirm_orders: list[str] = field(default_factory=list)
+    # later trials (fresh workers, after every pair), one per look added while the pair's verdict was open
+    more_trials: list[list[tuple[list[float], list[float]]]] = field(default_factory=list)
+    more_orders: list[list[str]] = field(default_factory=list)
+
+    def trials(self) -> list[list[tuple[list[float], list[float]]]]:
+        return [self.rounds, *self.more_trials] if self.rounds else []
 
     @property
     def key(self) -> Key:
@@ -132,6 +150,20 @@ class ABMeasurement:
     wall_s: float
     threads: int = DEFAULT_THREADS
     cpus: list[int] | None = None  # the CPUs both workers were pinned to (None: not pinned)
+    looks: list[int] = field(default_factory=list)  # rounds at each planned look; default [rounds]
+    budget_s: float | None = None  # the wall time past which no look was added
+    left_open: int = 0  # pairs whose verdict was still open when the budget ran out
+
+    def planned_looks(self) -> list[int]:
+        return self.looks or [self.rounds]
+
+
+def planned_looks(rounds: int, max_rounds: int) -> list[int]:
+    """Rounds seen at each look: R, 2R, ... below max_rounds, then max_rounds (just [R] when max_rounds <= R)."""
+    looks = list(range(rounds, max_rounds, rounds)) or [rounds]
+    if max_rounds > looks[-1]:
+        looks.append(max_rounds)
+    return looks
 
 
 # --- one side's worker ---------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ class Reporter:
             print(line, file=self.console.file, flush=True)
 
     def extend(self, more: int) -> None:
-        """`more` items beyond those announced (`bench ab`'s second trials)."""
+        """`more` items beyond those announced (`bench ab`'s later trials; negative: announced, not run)."""
         self.total += more
         if self._progress is not None:
             self._progress.update(self._task, total=self.total)
