@@ -24,12 +24,12 @@ from typing import Any, Literal
 
 PSI_CPU = Path("/proc/pressure/cpu")
 # PSI counts a stall only while a runnable task waits, so a pair whose threads fit the usable cores reads near 0
-# on an otherwise idle machine; docs/contention/ shows every step beside busy processes at 99-100%. Its quiet
-# row could not be measured on the shared machine it ran on (other users held it at 5 load per core), so 20% is
-# a margin above an idle machine's daemons, not yet a measured quiet spread (docs/DESIGN.md, "Contention").
+# on an otherwise idle machine: docs/contention/ measured 1% alone and 50% beside a single busy process (the call
+# 2.6x slower), 92-100% beside 2 and 4; 20% lies between with a margin both ways (docs/DESIGN.md, "Contention").
 PRESSURE_BUSY = 0.20
-# Without PSI: the pair's own threads make about 1 per core, one more busy process per core 2 (probe: 1 and 2
-# spinners beside the pair read 2.5 and up on this machine).
+# Without PSI: the pair's own threads make about 1 per core, one more busy process per core 2. A rule of thumb,
+# not a measured boundary: the 1-minute average lags a few seconds' probe (docs/contention/: 0.1-1.4 per core
+# whatever ran beside it), so it only catches load that lasted a minute.
 LOAD_BUSY = 1.5
 # A timing loop runs at least one thread flat out; below half a core per second it waited for the CPU.
 CPU_OVER_WALL_BUSY = 0.5
