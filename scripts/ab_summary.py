@@ -3,8 +3,8 @@
 Reads every `bench ab --json` output (NAME.json) and its NAME.meta (exit code, wall time) in OUT_DIR, and
 writes summary.json and summary.md: per run the verdict counts, the exit code, the wall time (and its ratio to
 the plain `bench run` of the suite, smoke-run.meta), the share of the planted implementation's pairs read
-SLOWER, everything else flagged; and the same verdicts recomputed from the saved per-round medians at other
-thresholds (the statistics of bench.analysis.ab_stats, Benjamini-Hochberg over the same pairs).
+SLOWER and its implementation verdict, everything else flagged, how many pairs got more looks, how many were
+left open by the budget and how many were timed on a busy machine.
 """
 
 from __future__ import annotations
@@ -17,24 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.analysis import ab_stats as st
-from bench.analysis.stats import benjamini_hochberg, seed_for
-
-THRESHOLDS = (5.0, 10.0)
-
-
-def recompute(doc: dict[str, Any], threshold_pct: float) -> dict[tuple[str, str], str]:
-    """(case_id, impl) -> verdict at `threshold_pct`, from the per-round medians in the JSON."""
-    alpha = doc["settings"]["alpha"]
-    tests = {}
-    for p in doc["pairs"]:
-        t = p.get("time")
-        values = t and (t.get("round_values_s") or t.get("round_medians_s"))  # (older JSON: block medians)
-        if values:
-            rounds = [([b], [n]) for b, n in values if b and n]
-            tests[(p["case_id"], p["impl"])] = st.paired_test(rounds, seed_for(f"{p['case_id']}|{p['impl']}", 0))
-    keys = [k for k, t in tests.items() if t.note is None]
-    qs = dict(zip(keys, benjamini_hochberg([tests[k].p_value for k in keys]), strict=True))
-    return {k: st.verdict(t, qs.get(k, 1.0), threshold_pct / 100, alpha) for k, t in tests.items()}
 
 
 def summarise(name: str, doc: dict[str, Any], meta: dict[str, Any], impl: str, smoke_s: float | None
@@ -46,28 +28,25 @@ def summarise(name: str, doc: dict[str, Any], meta: dict[str, Any], impl: str, s
     changes = [f"{p['impl']} {p['label']}: {c['figure']} {c['base']} -> {c['new']}" for p in pairs
                for c in p["changes"]]
     ratios = [p["time"]["ratio"] for p in planted if p["time"] and p["time"]["ratio"]]
-    out: dict[str, Any] = {
+    impl_verdicts = {v["impl"]: v for v in doc.get("impls", [])}
+    mine = impl_verdicts.get(impl, {})
+    return {
         "run": name, "exit_code": meta["exit_code"], "wall_s": round(meta["wall_s"], 1),
         "wall_over_smoke_run": round(meta["wall_s"] / smoke_s, 2) if smoke_s else None,
         "pairs": len(pairs), "time_verdicts": sum(p["verdict"] is not None for p in pairs),
         "verdicts": {v: doc["summary"][v] for v in st.VERDICTS},
         "mde_median_pct": doc["summary"]["mde_median_pct"], "threshold_pct": doc["settings"]["threshold_pct"],
-        "rounds": doc["settings"]["rounds"], "flagged_other": flagged_other, "deterministic_changes": changes,
+        "rounds": doc["settings"]["rounds"], "looks": doc["settings"].get("looks"),
+        "budget_s": doc["settings"].get("budget_s"), "left_open": doc["settings"].get("left_open", 0),
+        "pairs_looked_again": sum(bool(p["time"]) and p["time"].get("looks", 1) > 1 for p in pairs),
+        "busy_pairs": sum(bool(p.get("busy")) for p in pairs),
+        "flagged_other": flagged_other, "deterministic_changes": changes,
         f"{impl}_pairs_timed": len(planted),
         f"{impl}_slower": sum(p["verdict"] == st.SLOWER for p in planted),
         f"{impl}_ratio_median": round(statistics.median(ratios), 4) if ratios else None,
-        "recomputed": {},
+        f"{impl}_verdict": mine.get("verdict"), f"{impl}_verdict_ratio": mine.get("ratio"),
+        "impl_verdicts": {k: v["verdict"] for k, v in impl_verdicts.items()},
     }
-    for threshold in THRESHOLDS:
-        verdicts = recompute(doc, threshold)
-        mine = [v for (c, i), v in verdicts.items() if i == impl]
-        others = [f"{v} {i}" for (c, i), v in verdicts.items() if v in (st.SLOWER, st.FASTER)
-                  and (i != impl or name.startswith("aa"))]
-        out["recomputed"][f"{threshold:g}"] = {
-            "verdicts": {v: sum(x == v for x in verdicts.values()) for v in st.VERDICTS},
-            f"{impl}_slower": sum(v == st.SLOWER for v in mine), f"{impl}_pairs_timed": len(mine),
-            "flagged_other": others}
-    return out
 
 
 def markdown(rows: list[dict[str, Any]], impl: str, smoke: dict[str, Any] | None) -> str:
@@ -75,16 +54,16 @@ def markdown(rows: list[dict[str, Any]], impl: str, smoke: dict[str, Any] | None
     if smoke:
         lines += [f"One plain `bench run` of the suite: {smoke['wall_s']:.0f} s (exit {smoke['exit_code']}).", ""]
     lines += [f"| run | exit | wall s | x bench run | SLOWER | FASTER | SAME | NOISY | AMBIGUOUS | {impl} SLOWER "
-              f"| {impl} ratio | other flagged | MDE median | at 10%: {impl} SLOWER, others |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+              f"| {impl} ratio | {impl} verdict | other flagged | looked again | left open | busy | MDE median |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        v, ten = r["verdicts"], r["recomputed"]["10"]
+        v = r["verdicts"]
         lines.append(
             f"| {r['run']} | {r['exit_code']} | {r['wall_s']:.0f} | {r['wall_over_smoke_run'] or '-'} | "
             f"{v['SLOWER']} | {v['FASTER']} | {v['SAME']} | {v['NOISY']} | {v['AMBIGUOUS']} | "
             f"{r[f'{impl}_slower']}/{r[f'{impl}_pairs_timed']} | {r[f'{impl}_ratio_median'] or '-'} | "
-            f"{'; '.join(r['flagged_other']) or '-'} | {r['mde_median_pct'] or 0:.1f}% | "
-            f"{ten[f'{impl}_slower']}/{ten[f'{impl}_pairs_timed']}, {'; '.join(ten['flagged_other']) or '-'} |")
+            f"{r[f'{impl}_verdict'] or '-'} | {'; '.join(r['flagged_other']) or '-'} | {r['pairs_looked_again']} | "
+            f"{r['left_open']} | {r['busy_pairs']} | {r['mde_median_pct'] or 0:.1f}% |")
     return "\n".join(lines) + "\n"
 
 

@@ -247,3 +247,23 @@ def test_a_gpu_that_throttles_while_timed_makes_a_busy_record_through_nvml():
     assert capped["verdict"] == "busy" and capped["gpu_throttle"] == ["violation counters grew"]
     calm = verdict_after(lambda g: setattr(g, "reasons", 0x1))
     assert calm["verdict"] == "quiet" and calm["gpu_throttle"] == []
+
+
+def test_a_later_trial_timed_busy_makes_the_ab_change_noisy():
+    """bench ab's later trials write no record, but their contention counts: a change with a busy later trial
+    is NOISY, the same change with every trial quiet is SLOWER."""
+    from bench.analysis.ab import compare_ab
+    from bench.run.ab import ABMeasurement, PairMeasurement
+    from tests.test_ab_stats import rounds_for, side
+
+    rng = np.random.default_rng(8)
+    quiet = busy_record("c", np.full(3, 1e-3), "quiet")
+    busy = busy_record("c", np.full(3, 1e-3), "busy")
+    verdicts = []
+    for later in (quiet, busy):
+        pm = PairMeasurement("c", "dense", "c", "interleaved", quiet, quiet, rounds_for(rng, 1.3),
+                             more_trials=[rounds_for(rng, 1.3)], more_records=[(quiet, later)])
+        result = compare_ab(ABMeasurement(side("BASE"), side("NEW"), [pm], [], [], 15, 0.02, 5, 1.0, looks=[15, 30]))
+        verdicts.append((result.pairs[0].verdict, result.pairs[0].busy))
+    assert verdicts[0] == (st.SLOWER, None)
+    assert verdicts[1][0] == st.NOISY and verdicts[1][1].startswith("NEW timed on a busy machine")

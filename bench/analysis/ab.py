@@ -222,7 +222,8 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
         pair.verdict, pair.not_repeated = time_verdict(pt, pair.q_value if pair.q_value is not None else 1.0,
                                                        threshold, alpha)
         pair.mde = st.mde(pt.pooled, threshold, alpha)
-        pair.busy = busy_side([("BASE", [pm.base]), ("NEW", [pm.new])])
+        pair.busy = busy_side([("BASE", [pm.base, *(b for b, _ in pm.more_records)]),
+                               ("NEW", [pm.new, *(n for _, n in pm.more_records)])])
         pair.verdict = refuse_busy(pair.verdict, pair.busy)
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]

@@ -131,6 +131,7 @@ def _add_look(base: Side, new: Side, open_pairs: list[PairMeasurement], rounds: 
         if again.mode == INTERLEAVED and again.rounds:
             pm.more_trials.append(again.rounds)
             pm.more_orders.append(again.orders)
+            pm.more_records.append((again.base, again.new))
         else:
             given_up.add(pm.key)
         line = describe(pm) if describe else _describe(again)

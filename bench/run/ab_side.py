@@ -128,6 +128,8 @@ class PairMeasurement:
     # later trials (fresh workers, after every pair), one per look added while the pair's verdict was open
     more_trials: list[list[tuple[list[float], list[float]]]] = field(default_factory=list)
     more_orders: list[list[str]] = field(default_factory=list)
+    # each later trial's (BASE, NEW) records as its close returned them: not written, read for their contention
+    more_records: list[tuple[Record | None, Record | None]] = field(default_factory=list)
 
     def trials(self) -> list[list[tuple[list[float], list[float]]]]:
         return [self.rounds, *self.more_trials] if self.rounds else []
