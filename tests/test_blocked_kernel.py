@@ -6,6 +6,8 @@ it cannot run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,6 +124,28 @@ def test_a_dead_builders_lock_does_not_stop_the_next_build(tmp_path, monkeypatch
     stale.write_text("")  # what a killed build leaves
     assert kernel.build_extension(source, "tiny") == "module"
     assert seen == {"lock_left": False, "directory": str(stale.parent)}
+
+
+def test_the_same_source_in_two_checkouts_is_built_from_one_path(tmp_path, monkeypatch):
+    """ninja's rule names the source's path: each side of `bench ab` (another worktree) would rebuild the kernel
+    over the other's build. Both compile the copy inside the content-addressed build directory."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    sources_seen: list = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **_: sources_seen.append(sources) or "module")
+    for checkout in ("base", "new"):
+        source = tmp_path / checkout / "kernel.cpp"
+        source.parent.mkdir()
+        source.write_text("// the same kernel\n")
+        assert kernel.build_extension(source, "tiny") == "module"
+    (first,), (second,) = sources_seen
+    assert first == second and Path(first).parent.parent == tmp_path / "ext"
+    assert Path(first).read_text() == "// the same kernel\n"
+    changed = tmp_path / "changed.cpp"
+    changed.write_text("// another kernel\n")
+    kernel.build_extension(changed, "tiny")
+    assert Path(sources_seen[-1][0]).parent != Path(first).parent  # another digest, another build
 
 
 @pytest.mark.parametrize("head_dim, block_size, dtype, words", [

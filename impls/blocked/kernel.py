@@ -64,19 +64,25 @@ def build_extension(source: Path, stem: str) -> Any:
     flags = _ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
     # The source's digest in the name: two checkouts with different kernels (`bench ab` of two revisions) each
     # keep their own build instead of rebuilding over each other's in the shared extensions directory.
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    text = source.read_bytes()
+    digest = hashlib.sha256(text).hexdigest()[:10]
     name = f"{stem}_{isa.lower()}_{digest}"
     build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    # Compiled from a copy inside the build directory: ninja's rule names the source's path, so the same source
+    # in another checkout (each side of `bench ab`, a fresh clone) would otherwise rebuild it, ~1 minute each.
+    staged = build_dir / f"{name}.cpp"
     # torch's own build lock is a file that outlives a process killed mid-build (a pair's timeout, a test that
     # kills its worker), and every later build then waits on it forever. An flock dies with its holder: whoever
     # holds ours is the only builder, so a torch lock file found then is a dead builder's and is removed.
     with open(build_dir.parent / f"{name}.flock", "w") as baton:
         fcntl.flock(baton, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
+        if not staged.exists() or staged.read_bytes() != text:
+            staged.write_bytes(text)
         # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it the kernel ran on one
         # thread. It links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
-        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
+        return load(name=name, sources=[str(staged)], build_directory=str(build_dir),
                     extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
 
 
