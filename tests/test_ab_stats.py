@@ -20,7 +20,7 @@ from rich.console import Console
 from bench.analysis import ab_stats as st
 from bench.analysis.ab import ABResult, compare_ab
 from bench.analysis.ab_report import markdown, print_ab
-from bench.analysis.ab_sequential import PairTime, still_open, time_verdict
+from bench.analysis.ab_sequential import PairTime, open_pairs, time_verdict
 from bench.analysis.stats import seed_for
 from bench.run.ab import ABMeasurement, PairMeasurement, SideRun, round_orders
 from bench.run.ab_side import planned_looks
@@ -61,9 +61,10 @@ def measurement(ratios: dict[tuple[str, str], float], *, seed: int = 0, later_ra
         pm = PairMeasurement(case_id, impl, f"{case_id} {LABEL}", "interleaved", rec, rec, rounds_for(rng, ratio, **kw))
         pairs.append(pm)
     for look in range(1, len(looks)):
-        for pm in pairs:
-            if len(pm.trials()) == look and still_open(pm.trials(), seed_for(f"{pm.case_id}|{pm.impl}", 0), looks,
-                                                       threshold, alpha):
+        flags = open_pairs([pm.trials() for pm in pairs], [seed_for(f"{pm.case_id}|{pm.impl}", 0) for pm in pairs],
+                           looks, threshold, alpha)
+        for pm, flag in zip(pairs, flags, strict=True):
+            if flag and len(pm.trials()) == look:
                 again = (later_ratio or {}).get((pm.case_id, pm.impl), ratios[pm.key])
                 pm.more_trials.append(rounds_for(rng, again, **{**kw, "n_rounds": looks[look] - looks[look - 1]}))
     return ABMeasurement(side("BASE"), side("NEW"), pairs, [], [], n_rounds, 0.005, 3, 12.0, looks=looks)

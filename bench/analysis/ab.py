@@ -29,9 +29,9 @@ from bench.analysis.ab_sequential import (
     ImplVerdict,
     PairTime,
     impl_verdict,
+    open_pairs,
     pair_time,
     smallest_sequential_p,
-    still_open,
     time_verdict,
 )
 from bench.analysis.compare import Change, figure_changes
@@ -250,13 +250,18 @@ def _pair(pm: PairMeasurement) -> ABPair:
     for record in (pm.new, pm.base):
         if record is not None and record.status != "ok" and record.reason and pair.reason is None:
             pair.reason = record.reason
-    if pm.mode == INTERLEAVED and pair.base_status == "ok" and pair.new_status == "ok":
+    if _timed(pm):
         pair.trial_rounds = [len(trial) for trial in pm.trials()]
         pair.round_medians = [m for trial in pm.trials() for m in _medians(trial)]
         pair.orders = [o for orders in (pm.orders, *pm.more_orders) for o in orders]
     else:
         pair.time_note = pm.note or ("a side did not run ok" if pm.mode == INTERLEAVED else pm.mode)
     return pair
+
+
+def _timed(pm: PairMeasurement) -> bool:
+    """Does this pair get a time verdict: interleaved rounds, both sides ok."""
+    return pm.mode == INTERLEAVED and _status(pm.base) == "ok" and _status(pm.new) == "ok" and bool(pm.rounds)
 
 
 def _medians(rounds: list[tuple[list[float], list[float]]]) -> list[tuple[float, float]]:
@@ -334,9 +339,12 @@ def run_ab(options: ABOptions, console: Console, *, threshold_pct: float = DEFAU
     check_levels(threshold_pct, alpha)  # before minutes of measuring
     threshold = threshold_pct / 100
 
-    def is_open(pm: PairMeasurement, looks: list[int]) -> bool:
-        return still_open(pm.trials(), seed_for(f"{pm.case_id}|{pm.impl}", options.seed), looks, threshold, alpha)
+    def open_keys(measured: list[PairMeasurement], looks: list[int]) -> set[tuple[str, str]]:
+        timed = [pm for pm in measured if _timed(pm)]  # the pairs compare_ab will test, corrected together
+        flags = open_pairs([pm.trials() for pm in timed], [seed_for(f"{pm.case_id}|{pm.impl}", options.seed)
+                                                           for pm in timed], looks, threshold, alpha)
+        return {pm.key for pm, flag in zip(timed, flags, strict=True) if flag}
 
-    measurement = measure_ab(options, console, describe, is_open)
+    measurement = measure_ab(options, console, describe, open_keys)
     return compare_ab(measurement, threshold_pct=threshold_pct, alpha=alpha, seed=options.seed)
 

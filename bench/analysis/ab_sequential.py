@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from scipy import stats
 
 from bench.analysis import ab_stats as st
+from bench.analysis.stats import benjamini_hochberg
 
 
 def obf_spent(t: float, alpha: float) -> float:
@@ -141,11 +142,16 @@ def time_verdict(pt: PairTime, q_value: float, threshold: float, alpha: float) -
     return verdict, False
 
 
-def still_open(trials: Sequence[Rounds], seed: int, looks: Sequence[int], threshold: float, alpha: float) -> bool:
-    """Would another look help this pair? Its verdict with its own sequential p (BH's q is never smaller) is
-    NOISY or AMBIGUOUS (a change seen in one trial only included); SAME and a repeated change are decided."""
-    if len(trials) >= len(looks):
-        return False
-    pt = pair_time(trials, seed, looks, alpha)
-    verdict, _ = time_verdict(pt, pt.p_sequential, threshold, alpha)
-    return verdict in (st.NOISY, st.AMBIGUOUS)
+def open_pairs(trials: Sequence[Sequence[Rounds]], seeds: Sequence[int], looks: Sequence[int], threshold: float,
+               alpha: float) -> list[bool]:
+    """For each pair (its trials so far), would another look help? Its verdict, with the BH q-value of its
+    sequential p among every pair's so far (what the final verdict will use), is NOISY or AMBIGUOUS - a change
+    seen in one trial only included - and it has looks left. SAME and a change seen in two trials are decided."""
+    times = [pair_time(t, seed, looks, alpha) for t, seed in zip(trials, seeds, strict=True)]
+    tested = [i for i, pt in enumerate(times) if pt.pooled.note is None]
+    q_values = dict(zip(tested, benjamini_hochberg([times[i].p_sequential for i in tested]), strict=True))
+    out = []
+    for i, (pt, pair_trials) in enumerate(zip(times, trials, strict=True)):
+        verdict, _ = time_verdict(pt, q_values.get(i, 1.0), threshold, alpha)
+        out.append(len(pair_trials) < len(looks) and verdict in (st.NOISY, st.AMBIGUOUS))
+    return out

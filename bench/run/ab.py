@@ -96,7 +96,8 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 
 def measure_ab(options: ABOptions, console: Console, describe: Callable[[PairMeasurement], str] | None = None,
-               still_open: Callable[[PairMeasurement, list[int]], bool] | None = None) -> ABMeasurement:
+               open_keys: Callable[[list[PairMeasurement], list[int]], set[tuple[str, str]]] | None = None
+               ) -> ABMeasurement:
     """Measure both sides; raises BadInput for bad input (nothing left behind), Interrupted/KeyboardInterrupt
     when stopped (worktrees removed, records so far kept, runs left without finished_at)."""
     options.check()
@@ -133,7 +134,7 @@ def measure_ab(options: ABOptions, console: Console, describe: Callable[[PairMea
             sides = [Side(co, logs / f"{co.role.lower()}-worker.log", options.out, options.worker_env(), cpus)
                      for co in checkouts]
             _start_and_load(sides, options, suite_rel)
-            measurement = measure_pairs(sides, options, console, describe, still_open, started)
+            measurement = measure_pairs(sides, options, console, describe, open_keys, started)
             measurement.wall_s = time.perf_counter() - started
             completed = True
             return measurement

@@ -43,9 +43,9 @@ from bench.run.worker import Outcome
 
 def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
                   describe: Callable[[PairMeasurement], str] | None,
-                  still_open: Callable[[PairMeasurement, list[int]], bool] | None = None,
+                  open_keys: Callable[[list[PairMeasurement], list[int]], set[Key]] | None = None,
                   started: float | None = None) -> ABMeasurement:
-    """Every pair once (the first look, R rounds); then, while some pairs' verdicts are open (`still_open`) and
+    """Every pair once (the first look, R rounds); then, while some pairs' verdicts are open (`open_keys`) and
     the budget lasts, one more look: a trial of R more rounds of each open pair on fresh workers (both sides
     restarted at once), up to the planned looks (options.looks()). A state that favours one worker process for
     seconds (its memory layout, where the scheduler put it) can fake a large change in the pairs measured
@@ -85,10 +85,11 @@ def measure_pairs(sides: list[Side], options: ABOptions, console: Console,
         deadline = started + budget_s
         given_up: set[Key] = set()  # a side failed in a later trial: its first trial's verdict stands
         for look in range(1, len(looks)):
-            if still_open is None:
+            if open_keys is None:
                 break
-            open_pairs = [pm for pm in pairs if pm.mode == INTERLEAVED and pm.key not in given_up
-                          and len(pm.trials()) == look and still_open(pm, looks)]
+            still_open = open_keys(pairs, looks)
+            open_pairs = [pm for pm in pairs if pm.key in still_open and pm.key not in given_up
+                          and len(pm.trials()) == look]
             if not open_pairs:
                 break
             if time.perf_counter() >= deadline:
