@@ -90,3 +90,15 @@ def test_a_planted_five_percent_is_found_in_most_pairs_with_added_looks():
     assert found[0] == 0 and found[1] >= 12, found
     assert not any(p.verdict in (st.SLOWER, st.FASTER) for p in looked.pairs if p.impl == "dense")
     assert {v.impl: v.verdict for v in looked.impls} == {"blocked": st.SLOWER, "dense": st.SAME}
+
+
+def test_too_few_rounds_for_one_pair_says_how_many_would_do():
+    from bench.analysis.ab_sequential import smallest_sequential_p
+    from bench.run.ab_side import planned_looks
+
+    ratios = {(f"c{i}", "dense"): 1.0 for i in range(3)}
+    result = compare_ab(measurement(ratios, seed=2, n_rounds=5, max_rounds=5))
+    (note,) = [n for n in result.notes if "cannot reach q < 0.05" in n]
+    suggested = int(note.split("--max-rounds ")[1].split()[0])
+    assert smallest_sequential_p(planned_looks(5, suggested), 0.05) * 3 <= 0.05
+    assert smallest_sequential_p(planned_looks(5, suggested - 1), 0.05) * 3 > 0.05

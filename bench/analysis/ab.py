@@ -49,6 +49,7 @@ from bench.run.ab import (
     SideRun,
     measure_ab,
 )
+from bench.run.ab_side import planned_looks
 
 DEFAULT_THRESHOLD_PCT = 5.0  # with the interval past it, a 10% slowdown is caught at this machine's noise
 DEFAULT_ALPHA = 0.05
@@ -299,11 +300,12 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
                      f"{_pct(worst)}): more --rounds, longer blocks (--block-ms) or a quieter machine")
     looks = m.planned_looks()
     if n_tested and smallest_sequential_p(looks, alpha) * n_tested > alpha:
-        need = math.ceil(math.log2(2 * n_tested / alpha)) + 2
+        need = looks[-1]
+        while smallest_sequential_p(planned_looks(m.rounds, need), alpha) * n_tested > alpha:
+            need += 1
         notes.append(f"with at most {looks[-1]} rounds and {n_tested} pairs, a change in one pair alone cannot reach "
                      f"q < {alpha:g} (smallest sequential p {smallest_sequential_p(looks, alpha):.2g}); only changes "
-                     f"shared by several pairs can be found. Use --max-rounds {need + 2} or more to catch a single "
-                     "pair")
+                     f"shared by several pairs can be found. Use --max-rounds {need} or more to catch a single pair")
     fingerprints = {m.base.env.get("fingerprint"), m.new.env.get("fingerprint")}
     if len(fingerprints) > 1:
         notes.append("the two checkouts describe this machine differently (environment fingerprints "
