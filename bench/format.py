@@ -17,6 +17,15 @@ def format_seconds(seconds: float | None) -> str:
     return f"{seconds * 1e9:.3g} ns"
 
 
+def format_duration(seconds: float | None) -> str:
+    """A run's length: `95 s`, `9 min 54 s`; `-` for a missing or non-finite value."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
 def format_bytes(value: float | None) -> str:
     """`13 MiB`, `512 B` (binary units); `-` for a missing or non-finite value."""
     if value is None or not math.isfinite(value):

@@ -29,14 +29,15 @@ from bench.analysis.ab_sequential import (
     ImplVerdict,
     PairTime,
     impl_verdict,
+    judge,
     open_pairs,
     pair_time,
     smallest_sequential_p,
-    time_verdict,
 )
 from bench.analysis.compare import Change, figure_changes
-from bench.analysis.stats import benjamini_hochberg, busy_side, refuse_busy, seed_for
+from bench.analysis.stats import busy_side, refuse_busy, seed_for
 from bench.errors import BadInput
+from bench.format import format_duration
 from bench.results.records import Record
 from bench.run.ab import (
     DISTRIBUTED,
@@ -215,20 +216,16 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
             timed[len(pairs)] = pt = pair_time(pm.trials(), seed_for(f"{pm.case_id}|{pm.impl}", seed), looks, alpha)
             pair.test, pair.trials, pair.p_sequential = pt.pooled, list(pt.trials), pt.p_sequential
         pairs.append(pair)
-    tested = [i for i in timed if timed[i].pooled.note is None]
-    for i, q in zip(tested, benjamini_hochberg([timed[i].p_sequential for i in tested]), strict=True):
-        pairs[i].q_value = q
-    for i, pt in timed.items():
+    for (i, pt), judged in zip(timed.items(), judge(list(timed.values()), threshold, alpha), strict=True):
         pair, pm = pairs[i], measurement.pairs[i]
-        pair.verdict, pair.not_repeated = time_verdict(pt, pair.q_value if pair.q_value is not None else 1.0,
-                                                       threshold, alpha)
+        pair.q_value, pair.verdict, pair.not_repeated = judged.q_value, judged.verdict, judged.not_repeated
         pair.mde = st.mde(pt.pooled, threshold, alpha)
         pair.busy = busy_side([("BASE", [pm.base, *(b for b, _ in pm.more_records)]),
                                ("NEW", [pm.new, *(n for _, n in pm.more_records)])])
         pair.verdict = refuse_busy(pair.verdict, pair.busy)
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
-    notes = _notes(measurement, pairs, threshold, alpha, len(tested))
+    notes = _notes(measurement, pairs, threshold, alpha, sum(pt.pooled.note is None for pt in timed.values()))
     impls = [v for name in dict.fromkeys(p.impl for p in pairs)
              if (v := impl_verdict(name, [(p.test, p.p_sequential, p.verdict, p.busy is not None) for p in pairs
                                           if p.impl == name and p.test is not None and p.p_sequential is not None],
@@ -287,7 +284,7 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
                      f"workers (looks at {', '.join(map(str, m.planned_looks()))} rounds; O'Brien-Fleming alpha "
                      "spending holds the error rate over the looks)")
     if m.left_open:
-        notes.append(f"the time budget ({_duration_s(m.budget_s)}) ran out with {m.left_open} pair(s) still open: "
+        notes.append(f"the time budget ({format_duration(m.budget_s)}) ran out with {m.left_open} pair(s) still open: "
                      "their verdicts are from the rounds they had (--budget-s, --max-rounds)")
     busy = [p for p in pairs if p.busy is not None]
     if busy:
@@ -323,10 +320,6 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
         notes.append(f"{len(m.only_base)} pairs only in BASE and {len(m.only_new)} only in NEW (different suite "
                      "content or implementations): measured on their side, not compared")
     return notes
-
-
-def _duration_s(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.0f} s"
 
 
 def _pct(fraction: float | None) -> str:

@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from bench.analysis import ab_stats as st
 from bench.analysis.ab import ABPair, ABResult
-from bench.format import format_p, format_seconds
+from bench.format import format_duration, format_p, format_seconds
 
 MAX_WIDTH = 100
 INDENT = "    "
@@ -112,12 +112,6 @@ def pair_lines(pair: ABPair, label: str, width: int) -> list[tuple[str, str | No
     return lines
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
-
-
 def settings_line(result: ABResult) -> str:
     m = result.measurement
     threads = "torch's default threads" if m.threads == 0 else f"{m.threads} thread{'s' * (m.threads > 1)}"
@@ -125,7 +119,7 @@ def settings_line(result: ABResult) -> str:
     more = f" (up to {looks[-1]} while open)" if len(looks) > 1 else ""
     return (f"{m.rounds} rounds per pair{more}, blocks of >= {m.block_calls} calls and {m.block_s * 1e3:g} ms, "
             f"{threads} per worker; threshold {result.threshold_pct:g}%, alpha {result.alpha:g} (sequential, BH), "
-            f"MDE at power {st.POWER:g}; {_duration(m.wall_s)}")
+            f"MDE at power {st.POWER:g}; {format_duration(m.wall_s)}")
 
 
 def side_title(result: ABResult, role: str) -> str:

@@ -143,16 +143,27 @@ def time_verdict(pt: PairTime, q_value: float, threshold: float, alpha: float) -
     return verdict, False
 
 
+@dataclass(frozen=True)
+class TimeJudgement:
+    q_value: float | None  # BH over the sequential p of every pair with a test; None without one
+    verdict: str
+    not_repeated: bool
+
+
+def judge(times: Sequence[PairTime], threshold: float, alpha: float) -> list[TimeJudgement]:
+    """Every pair's time verdict, its sequential p corrected with all the others' (Benjamini-Hochberg): what
+    compare_ab reports, and what open_pairs asks of the pairs so far between looks."""
+    tested = [i for i, pt in enumerate(times) if pt.pooled.note is None]
+    q_values = dict(zip(tested, benjamini_hochberg([times[i].p_sequential for i in tested]), strict=True))
+    return [TimeJudgement(q_values.get(i), *time_verdict(pt, q_values.get(i, 1.0), threshold, alpha))
+            for i, pt in enumerate(times)]
+
+
 def open_pairs(trials: Sequence[Sequence[Rounds]], seeds: Sequence[int], looks: Sequence[int], threshold: float,
                alpha: float) -> list[bool]:
     """For each pair (its trials so far), would another look help? Its verdict, with the BH q-value of its
     sequential p among every pair's so far (what the final verdict will use), is NOISY or AMBIGUOUS - a change
     seen in one trial only included - and it has looks left. SAME and a change seen in two trials are decided."""
     times = [pair_time(t, seed, looks, alpha) for t, seed in zip(trials, seeds, strict=True)]
-    tested = [i for i, pt in enumerate(times) if pt.pooled.note is None]
-    q_values = dict(zip(tested, benjamini_hochberg([times[i].p_sequential for i in tested]), strict=True))
-    out = []
-    for i, (pt, pair_trials) in enumerate(zip(times, trials, strict=True)):
-        verdict, _ = time_verdict(pt, q_values.get(i, 1.0), threshold, alpha)
-        out.append(len(pair_trials) < len(looks) and verdict in (st.NOISY, st.AMBIGUOUS))
-    return out
+    return [len(pair_trials) < len(looks) and judged.verdict in (st.NOISY, st.AMBIGUOUS)
+            for pair_trials, judged in zip(trials, judge(times, threshold, alpha), strict=True)]
