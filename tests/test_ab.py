@@ -129,8 +129,10 @@ def test_ab_of_two_revisions_writes_both_runs_and_leaves_no_worktree(repo, tmp_p
 def test_an_open_verdict_gets_another_look_on_fresh_workers(repo, tmp_path, clean):
     """dense twice as slow: one trial alone can never be SLOWER, so the pair is open after the first look and
     gets a second trial of R rounds; then SLOWER (NOISY where this machine was busy while it was timed)."""
+    # a budget no restart of the workers can exhaust (the default, 1.75x a first pass of one pair, can)
     proc = bench(repo, clean, "ab", "main", "slow", "suites/tiny.yaml", "--rounds", "6", "--max-rounds", "12",
-                 "--block-ms", "1", "--impl", "dense", "--out", str(tmp_path / "results"), "--json")
+                 "--budget-s", "600", "--block-ms", "1", "--impl", "dense", "--out", str(tmp_path / "results"),
+                 "--json")
     assert proc.returncode in (0, 1), proc.stderr
     doc = json.loads(proc.stdout)
     (pair,) = doc["pairs"]
@@ -142,6 +144,16 @@ def test_an_open_verdict_gets_another_look_on_fresh_workers(repo, tmp_path, clea
     assert pair["verdict"] == expected and doc["impls"][0]["verdict"] == expected
     assert proc.returncode == (1 if expected == "SLOWER" else 0)
     assert "trial 2:" in proc.stderr
+
+
+def test_a_spent_budget_adds_no_look_and_says_how_many_were_left_open(repo, tmp_path, clean):
+    proc = bench(repo, clean, "ab", "main", "slow", "suites/tiny.yaml", "--rounds", "6", "--max-rounds", "12",
+                 "--budget-s", "0", "--block-ms", "1", "--impl", "dense", "--out", str(tmp_path / "results"), "--json")
+    doc = json.loads(proc.stdout)
+    (pair,) = doc["pairs"]
+    assert pair["time"]["looks"] == 1 and doc["settings"]["left_open"] == 1 and doc["settings"]["budget_s"] == 0
+    assert any("ran out with 1 pair(s) still open" in n for n in doc["notes"])
+    assert pair["verdict"] != "SLOWER" and proc.returncode == 0
 
 
 def test_max_rounds_equal_to_rounds_adds_no_look(repo, tmp_path, clean):
