@@ -15,14 +15,15 @@ from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
+from bench.measure.prepare import prepare
 from bench.measure.reference import check_shapes
-from bench.measure.selected import split_output
-from bench.measure.steps import prepare_call, skip_reason
 from bench.patterns import Pattern
 from bench.patterns.score_mods import case_problems as score_mod_case_problems
 from bench.results.records import Record
 from bench.selection import SHARED, Selection, get_selector, run_selector, unit_size
 from bench.spec.case import DTYPES, Case
+
+__all__ = ["Unavailable", "attention", "case_for", "run", "select", "swap_attention"]
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -77,18 +78,10 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     if selection is not None and case.score_mod != "none":
         raise ValueError(f"score_mod {case.score_mod!r} with a selection: score modifications are measured on "
                          "static patterns only (selection=None)")
-    reason = skip_reason(impl, case)
-    if reason:
-        raise Unavailable(reason)
-    if selection is None:
-        return prepare_call(impl, case, pattern, q, k, v).first_output
-    chosen = as_selection(selection, case, q_unit, kv_unit, shared)
-    reason = impl.unsupported_selection(case, "row" if chosen.q_unit == 1 else "block",
-                                        _kv_unit_name(chosen.kv_unit, case.block_size), chosen.shared)
-    if reason:
-        raise Unavailable(reason)
-    attend = impl.prepare_selected(case, pattern, q, k, v)
-    return split_output(attend(chosen))[0]
+    chosen = None if selection is None else as_selection(selection, case, q_unit, kv_unit, shared)
+    grad_out = None  # the caller runs the backward: the call is the forward alone
+    prepared = prepare(impl, case, pattern, q, k, v, grad_out, selection=chosen)
+    return prepared.output
 
 
 def with_score_mod(case: Case, score_mod: str | None, fields: dict[str, Any]) -> Case:
@@ -102,10 +95,6 @@ def with_score_mod(case: Case, score_mod: str | None, fields: dict[str, Any]) ->
     if problems:
         raise ValueError(f"{problems[0][0]}: {problems[0][1]}")
     return case
-
-
-def _kv_unit_name(size: int, block_size: int) -> str:
-    return "token" if size == 1 else "block" if size == block_size else "page"
 
 
 def as_selection(selection: Selection | Tensor, case: Case, q_unit: int | str, kv_unit: int | str,
@@ -136,10 +125,10 @@ def run(suite: str | Path | dict[str, Any], out: str | Path = "results", *, impl
     Raises `bench.errors.BadInput` for a bad suite, like the command line's exit code 2. `quiet`: no progress
     or summary on the terminal.
     """
+    from bench.console.terminal import make_console
     from bench.run.runner import RunOptions
     from bench.run.runner import run as run_suite
     from bench.spec.suite import load_suite, parse_suite
-    from bench.terminal import make_console
 
     parsed = parse_suite(suite, file="<dict>", base_dir=Path.cwd()) if isinstance(suite, dict) \
         else load_suite(Path(suite))
@@ -152,3 +141,19 @@ def run(suite: str | Path | dict[str, Any], out: str | Path = "results", *, impl
     run_suite(RunOptions(suite=parsed, impls=list(impls or []), device=device, out=Path(out)), console,
               on_record=records.append)
     return records
+
+
+def swap_attention(model: Any, impl_name: str, selector: str | None = None, budget: int | float | None = None,
+                   threshold: float | None = None, pattern: str = "causal", layers: list[int] | None = None,
+                   **fields: Any) -> Any:
+    """A context manager routing a transformers model's attention layers through `impl_name` (with `selector`,
+    `budget`, `threshold` over the base `pattern`, and any case field) for a user's own evaluation loop:
+
+        with bench.api.swap_attention(model, "blocked", selector="moba", budget=0.125):
+            logits = model(input_ids).logits
+
+    `layers`: the indices of the layers to swap (None: every one). The model is back on its own attention after
+    the block. ValueError for an unknown implementation, selector or field (bench.measure.quality.swap)."""
+    from bench.measure.quality.swap import swap_attention as swap
+
+    return swap(model, impl_name, selector, budget, threshold, pattern, layers, **fields)

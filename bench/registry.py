@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from bench.patterns.score_mods import BUILTIN_SCORE_MODS
-from bench.plugins import load_entry_points, source_of
 from bench.spec.case import Case
+from bench.spec.plugins import load_entry_points, source_of
 
 # Set by `bench run` for its children: the run directory, where logs an implementation writes belong.
 RUN_DIR_ENV = "BENCH_RUN_DIR"

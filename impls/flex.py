@@ -35,6 +35,7 @@ CPU_NO_BACKWARD = ("FlexAttention has no backward on CPU in this torch (flex_att
                    "NotImplementedError for CPU inputs that require grad)")
 
 _compiled: Any = None
+COMPILED = "torch.compile(dynamic=True)"
 
 
 def compiled_flex() -> Any:
@@ -49,6 +50,74 @@ def compiled_flex() -> Any:
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT * 4)
         _compiled = torch.compile(flex_attention, dynamic=True)
     return _compiled
+
+
+def eager_flex() -> Any:
+    """flex_attention uncompiled: PyTorch's reference path (scores materialised), the last resort where Inductor
+    cannot compile the mask_mod at all; correct, but not FlexAttention's speed or memory."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def compile_failures() -> tuple[type[BaseException], ...]:
+    """What a failed torch.compile of FlexAttention raises: Dynamo's tracing errors and Inductor's (wrapped as
+    BackendCompilerFailed, both TorchDynamoException), a lowering error, or a C++ build of the compiled code that
+    fails outside them when its module is loaded at the first call (seen on an AMD CPU)."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import CppCompileError, LoweringException
+
+    return (TorchDynamoException, CppCompileError, LoweringException)
+
+
+def kernel_options(block_size: int, device: torch.device, q_len: int) -> dict[str, int] | None:
+    """Tile sizes for blocks under 128 on a GPU: Inductor's one default forward tile on Hopper is 128 query rows
+    (bfloat16 and float16 at head_dim 64 and 128, float32 at 64), which must divide the BlockMask's block, so a
+    64-token block would fail to compile and run uncompiled. The forward then tiles by the block itself. (The
+    backward has no such override: its default tiles on Hopper need 128-token blocks at head_dim 128, and
+    torch skips a config that does not divide before reading these options, so fwd_bwd falls back there.)
+    Decode (fewer than 128 query rows) takes FlexAttention's decoding kernel, whose tiles are its own."""
+    if device.type != "cuda" or block_size >= 128 or q_len < 128:
+        return None
+    return {"BLOCK_M": block_size, "BLOCK_N": block_size}
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+
+
+def first_call_falls_back(attempts, extras: dict[str, object]):
+    """The call of the first attempt whose first run works; each attempt `(name, make)` makes a zero-argument
+    call, and a compiled one's first run (compilation) is timed as setup. Where compiling fails, the next
+    attempt; the record's config says which ran and why (`mask_mod`, `compiled`). Raises what the last raises."""
+    failures = compile_failures()
+    state: dict[str, object] = {"run": None}
+    why: list[str] = []
+
+    def call():
+        run = state["run"]
+        if run is not None:
+            return run()
+        for index, (name, make) in enumerate(attempts):
+            last = index == len(attempts) - 1
+            try:
+                candidate = make()
+                with setup_phase("compile"):  # torch.compile traces and compiles on the first call
+                    out = candidate()
+            except failures as exc:
+                if last:
+                    raise
+                why.append(f"{name}: {_first_line(exc)}")
+                continue
+            if name == "tabulated":
+                extras["mask_mod"] = f"tabulated (the predicate did not compile: {why[0].split(': ', 1)[1]})"
+            elif name == "uncompiled":
+                extras["compiled"] = f"uncompiled (torch.compile failed: {'; '.join(why)})"
+            state["run"] = candidate
+            return out
+        raise AssertionError("no attempt")
+
+    return call
 
 
 def tensor_fields(pattern, device: torch.device):
@@ -71,7 +140,11 @@ def tabulated_mask_mod(pattern, block_size: int, device: torch.device):
     cols = sparse.kv_indices[used].to(torch.int64)
     full[rows, cols] = sparse.full[used]
     slot[rows, cols] = sparse.mask_index[used].to(torch.int64)
-    slot, full, masks = slot.to(device), full.to(device), sparse.masks.to(device)  # masks (P, bs, bs)
+    masks = sparse.masks  # (P, bs, bs); at least one, so that the lookup of slot -1 (clamped to 0) stays in
+    # bounds where no block is partial (an empty table is an out-of-bounds read: a device-side assert on a GPU)
+    if masks.shape[0] == 0:
+        masks = torch.zeros(1, block_size, block_size, dtype=torch.bool)
+    slot, full, masks = slot.to(device), full.to(device), masks.to(device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         qb = (q_idx // block_size).clamp(0, nqb - 1)  # FlexAttention also asks about padding
@@ -205,48 +278,32 @@ class Flex(Impl):
         return reason
 
     def prepare(self, case, pattern, q, k, v):
-        from torch._dynamo.exc import BackendCompilerFailed
-        from torch._inductor.exc import CppCompileError
-
-        # InductorError is a BackendCompilerFailed; a C++ build of the compiled code can also fail outside it,
-        # when the module is loaded at the first call (CppCompileError, seen on an AMD CPU with an attention-gym
-        # mask_mod)
-        compile_failures = (BackendCompilerFailed, CppCompileError)
-
         with setup_phase("mask"):
             block_mask = block_mask_for(pattern, case.block_size, q.device)
-        flex = compiled_flex()
         scale = softmax_scale(case.head_dim)
         gqa = k.shape[1] != q.shape[1]  # FlexAttention's native grouped-query attention: no K/V copies
         mod = case.make_score_mod()
         # the modification's tables in float32, as FlexAttention computes scores (captured as buffers)
         score_mod = None if mod is None else mod.for_device(q.device, torch.float32).fn
-        self._extras = {"block_size": case.block_size, "compiled": "torch.compile(dynamic=True)",
-                        "mask_mod": "predicate"}
-        if score_mod is not None:
-            flex = functools.partial(flex, score_mod=score_mod)
-        state = {"mask": block_mask, "compiled_once": False}
+        self._extras = {"block_size": case.block_size, "compiled": COMPILED, "mask_mod": "predicate"}
 
-        def call():
-            if state["compiled_once"]:
-                return flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
-            try:
-                with setup_phase("compile"):  # torch.compile traces and compiles on the first call
-                    out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
-            except compile_failures as exc:
-                # Inductor's CPU flex template cannot compile some predicates (torch 2.13 emits undeclared
-                # variables for several of attention-gym's mask_mods): the same matrix looked up in the
-                # block view compiles. The record says which mask_mod ran and why.
-                first = (str(exc).strip().splitlines() or [""])[0][:200]
-                self._extras["mask_mod"] = f"tabulated (the predicate did not compile: {first})"
-                with setup_phase("mask"):
-                    state["mask"] = block_mask_for(pattern, case.block_size, q.device, tabulated=True)
-                with setup_phase("compile"):
-                    out = flex(q, k, v, block_mask=state["mask"], scale=scale, enable_gqa=gqa)
-            state["compiled_once"] = True
-            return out
+        options = kernel_options(case.block_size, q.device, pattern.q_len)
 
-        return call
+        def over(fn, mask):
+            fn = fn if score_mod is None else functools.partial(fn, score_mod=score_mod)
+            return lambda: fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options)
+
+        def tabulated():
+            with setup_phase("mask"):
+                mask = block_mask_for(pattern, case.block_size, q.device, tabulated=True)
+            return over(compiled_flex(), mask)
+
+        # Inductor's CPU flex template cannot compile some predicates (torch 2.13 emits undeclared variables for
+        # several of attention-gym's mask_mods): the same matrix looked up in the block view often compiles; where
+        # that fails too (attention-gym's block diffusion: a LoweringException), FlexAttention runs uncompiled.
+        return first_call_falls_back([("predicate", lambda: over(compiled_flex(), block_mask)),
+                                      ("tabulated", tabulated),
+                                      ("uncompiled", lambda: over(eager_flex(), block_mask))], self._extras)
 
     def unsupported_selection(self, case, q_unit, kv_unit, shared):
         reason = super().unsupported_selection(case, q_unit, kv_unit, shared)
@@ -269,24 +326,33 @@ class Flex(Impl):
                 torch.int8)
             classes = classes.to(q.device)
             params = tensor_fields(pattern, q.device)
-        flex = compiled_flex()
         scale = softmax_scale(case.head_dim)
         h, hkv = q.shape[1], k.shape[1]
         nq, n = pattern.q_len, pattern.seq_len
-        self._extras = {"block_size": bs, "compiled": "torch.compile(dynamic=True)", "mask_mod": "predicate"}
-        state = {"compiled_once": False}
+        self._extras = {"block_size": bs, "compiled": COMPILED, "mask_mod": "predicate"}
+        state = {"fn": None}
 
         # Inductor's CPU flex template returns no log-sum-exp ("return_lse is not supported yet" in torch 2.13)
         with_lse = q.device.type != "cpu"
+        options = kernel_options(bs, q.device, nq)
 
         def attend(selection):
             mask = selection_block_mask(selection, classes, params._matrix, nq, n, bs, h, hkv)
-            if state["compiled_once"]:
-                return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=h != hkv, return_lse=with_lse)
-            with setup_phase("compile"):
-                result = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=h != hkv, return_lse=with_lse)
-            state["compiled_once"] = True
-            return result
+            if state["fn"] is None:  # the first call compiles, or falls back to FlexAttention uncompiled
+                chosen = {}
+
+                def over(fn):
+                    chosen["fn"] = fn
+                    return lambda: fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=h != hkv,
+                                      return_lse=with_lse, kernel_options=options)
+
+                run = first_call_falls_back([("predicate", lambda: over(compiled_flex())),
+                                             ("uncompiled", lambda: over(eager_flex()))], self._extras)
+                result = run()
+                state["fn"] = chosen["fn"]
+                return result
+            return state["fn"](q, k, v, block_mask=mask, scale=scale, enable_gqa=h != hkv, return_lse=with_lse,
+                               kernel_options=options)
 
         return attend
 

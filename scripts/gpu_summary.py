@@ -12,11 +12,11 @@ from pathlib import Path
 
 from rich.table import Table
 
+from bench.console.terminal import make_console
 from bench.results.records import Record
 from bench.results.store import RECORDS, read_records, read_run_info
 from bench.run.console import summary_table
 from bench.spec.case import Case
-from bench.terminal import make_console
 
 OURS = "triton_block_sparse"
 

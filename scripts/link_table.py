@@ -15,7 +15,7 @@ from pathlib import Path
 import impls  # noqa: F401 - registers the implementations
 from bench import registry
 from bench.comm import Communicator, use
-from bench.format import format_bytes
+from bench.console.format import format_bytes
 from bench.sharding import DistributedImpl
 from bench.spec.suite import load_suite
 

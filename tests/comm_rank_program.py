@@ -24,6 +24,25 @@ def counted(comm: Communicator, fn) -> tuple[bool, dict]:
     return ok, comm.snapshot()
 
 
+def two_shifts_in_flight(comm: Communicator) -> bool:
+    """Two shifts in flight at once (tags tell them apart), compute in between, under a level."""
+    r, p = comm.rank, comm.world_size
+    a, b = torch.full((4,), float(r)), torch.full((6,), float(10 * r))
+    got_a, got_b = torch.empty(4), torch.empty(6)
+    with comm.level("ring"):
+        first = comm.start_batch_isend_irecv([P2P("send", a, (r + 1) % p, 1), P2P("recv", got_a, (r - 1) % p, 1)])
+        second = comm.start_batch_isend_irecv([P2P("send", b, (r + 1) % p, 2),
+                                               P2P("recv", got_b, (r - 1) % p, 2)])
+    x = torch.randn(200, 200)
+    for _ in range(20):
+        x = torch.tanh(x @ x)
+    second.wait()
+    first.wait()
+    first.wait()  # twice: harmless
+    return (torch.equal(got_a, torch.full((4,), float((r - 1) % p)))
+            and torch.equal(got_b, torch.full((6,), float(10 * ((r - 1) % p)))) and bool(torch.isfinite(x).all()))
+
+
 def collectives(comm: Communicator) -> dict:
     r, p = comm.rank, comm.world_size
     out = {}
@@ -62,28 +81,12 @@ def collectives(comm: Communicator) -> dict:
                                 P2P("recv", got, (r - 1) % p)])
         return torch.equal(got, torch.full((4,), float((r - 1) % p)))
 
-    def started():  # two shifts in flight at once (tags tell them apart), compute in between, under a level
-        a, b = torch.full((4,), float(r)), torch.full((6,), float(10 * r))
-        got_a, got_b = torch.empty(4), torch.empty(6)
-        with comm.level("ring"):
-            first = comm.start_batch_isend_irecv([P2P("send", a, (r + 1) % p, 1), P2P("recv", got_a, (r - 1) % p, 1)])
-            second = comm.start_batch_isend_irecv([P2P("send", b, (r + 1) % p, 2),
-                                                   P2P("recv", got_b, (r - 1) % p, 2)])
-        x = torch.randn(200, 200)
-        for _ in range(20):
-            x = torch.tanh(x @ x)
-        second.wait()
-        first.wait()
-        first.wait()  # twice: harmless
-        return (torch.equal(got_a, torch.full((4,), float((r - 1) % p)))
-                and torch.equal(got_b, torch.full((6,), float(10 * ((r - 1) % p)))) and bool(torch.isfinite(x).all()))
-
     for name, fn in [("all_reduce", all_reduce), ("all_gather_into_tensor", gather),
                      ("reduce_scatter_tensor", scatter), ("all_to_all_single", a2a), ("broadcast", bcast),
                      ("send_recv", point_to_point), ("batch_isend_irecv", shift)]:
         out[name] = counted(comm, fn)
     comm.reset()
-    ok = started()
+    ok = two_shifts_in_flight(comm)
     out["started"] = (ok, comm.snapshot(), comm.levels_snapshot())
     comm.reset()
     with comm.paused():

@@ -61,3 +61,14 @@ def faulty_plugin(tmp_path: Path) -> Path:
     target = tmp_path / "faulty.py"
     target.write_text((PLUGINS / "faulty.py").read_text())
     return target
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The dashboard tests' synthetic results store (tests/dashboard_runs.py), its runs loaded by name."""
+    from bench.results.store import load_run
+    from tests import dashboard_runs
+
+    root = tmp_path_factory.mktemp("results")
+    paths = dashboard_runs.write_store(root)
+    return {"root": root, **{name: load_run(path) for name, path in paths.items()}}

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.dashboard.data import Row, current_rows, facets, rows_from_runs
 from bench.results.records import Record
 from tests.synthetic import commit_id, params, record, write_run
 
@@ -184,3 +185,12 @@ def write_store(root: Path) -> dict[str, Path]:
         runs[f"history{i}"] = write_run(root, commit=commit_id(i), suite="nightly", records=history_records(i >= 2),
                                         started_at=f"2026-01-0{i + 1}T03:00:00.000000Z")
     return runs
+
+
+def facet_rows(run, pattern: str, dtype: str = "float32", mode: str = "fwd", device: str = CPU,
+               workload: str | None = None) -> list[Row]:
+    """The rows of one facet; `workload` may be left out where the run has one workload for these keys."""
+    found = [members for key, members in facets(current_rows(rows_from_runs([run]))).items()
+             if key[:4] == (pattern, dtype, mode, device) and workload in (None, key[4])]
+    assert len(found) == 1, f"{len(found)} facets match"
+    return found[0]

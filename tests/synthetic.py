@@ -33,7 +33,7 @@ def record(case_id: str, impl: str, samples: list[float] | np.ndarray | None, *,
     body: dict[str, Any] = {"case_id": case_id, "impl": impl, "params": params(), "status": status,
                             "flops": flops, "density": 0.25, "block_density": 0.5, "device": "cpu: test"}
     if samples is not None:
-        body["time_s"] = summarize([float(s) for s in samples], "precision")
+        body["time_s"] = summarize([float(s) for s in samples], "precision").model_dump()
     if rel_l2 is not None and status in ("ok", "incorrect"):
         body["error"] = {"max_abs": rel_l2, "rel_l2": rel_l2, "tolerance": 1e-4, "rows_checked": 128}
     if status != "ok" and "reason" not in fields:

@@ -94,7 +94,7 @@ def test_a_planted_five_percent_is_found_in_most_pairs_with_added_looks():
 
 def test_too_few_rounds_for_one_pair_says_how_many_would_do():
     from bench.analysis.ab_sequential import smallest_sequential_p
-    from bench.run.ab_side import planned_looks
+    from bench.run.ab.side import planned_looks
 
     ratios = {(f"c{i}", "dense"): 1.0 for i in range(3)}
     result = compare_ab(measurement(ratios, seed=2, n_rounds=5, max_rounds=5))

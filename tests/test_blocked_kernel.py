@@ -191,7 +191,7 @@ def test_bfloat16_is_refused_with_its_reason_where_the_cpu_has_no_fast_bfloat16_
             return False
 
     monkeypatch.setattr(kernel, "_module", WithoutAmx())
-    monkeypatch.setattr(kernel, "_has_bf16_dot_products", lambda: False)
+    monkeypatch.setattr(kernel, "has_bf16_dot_products", lambda: False)
     pattern = make_pattern("block_random", 320, density=0.3, seed=0, block_size=64)
     q, k, v = _inputs(pattern, 2, 2, 64, torch.bfloat16)
     reason = kernel.unavailable_reason(q, 64)

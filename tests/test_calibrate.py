@@ -41,31 +41,31 @@ SMALL = Settings(TimingPolicy(warmup=1, repeat=3, max_time_s=1.0), target_call_s
 
 def test_matmul_rate_counts_2_n_cubed_flops():
     result = matmul_rate("cpu", "float32", SMALL, FixedTimer())
-    assert result["n"] == 128  # 1 ms per call is under the 1 s target: grown to max_n
-    assert result["flops_per_s"] == pytest.approx(2 * 128**3 / 1e-3)
+    assert result.n == 128  # 1 ms per call is under the 1 s target: grown to max_n
+    assert result.flops_per_s == pytest.approx(2 * 128**3 / 1e-3)
     settings = Settings(SMALL.policy, target_call_s=1e-4, min_n={"cpu": 64}, max_n={"cpu": 128})
-    assert matmul_rate("cpu", "bfloat16", settings, FixedTimer())["n"] == 64  # long enough at once
+    assert matmul_rate("cpu", "bfloat16", settings, FixedTimer()).n == 64  # long enough at once
 
 
 def test_copy_bandwidth_counts_the_read_and_the_write():
     result = copy_bandwidth("cpu", SMALL, FixedTimer())
-    assert result["bytes"] == 2**20 and result["bytes_per_s"] == pytest.approx(2 * 2**20 / 1e-3)
+    assert result.bytes == 2**20 and result.bytes_per_s == pytest.approx(2 * 2**20 / 1e-3)
 
 
 def test_calibrate_measures_each_dtype_and_no_tf32_on_cpu():
     result = run_calibration("cpu", ["float32", "bfloat16"], SMALL, FixedTimer())
-    assert set(result["matmul"]) == {"float32", "bfloat16"}
-    assert result["backend"] == "cpu" and result["device"].startswith("cpu: ")
-    assert result["torch_threads"] >= 1 and result["copy"]["bytes_per_s"] > 0
-    json.dumps(result, allow_nan=False)
+    assert set(result.matmul) == {"float32", "bfloat16"}
+    assert result.backend == "cpu" and str(result.device).startswith("cpu: ")
+    assert result.torch_threads >= 1 and result.copy_.bytes_per_s > 0
+    json.dumps(result.model_dump(mode="json"), allow_nan=False)
 
 
 def test_stored_calibrations_are_found_by_fingerprint_and_damage_is_named(tmp_path):
-    data = {"device": "cpu: X", "matmul": {"float32": {"flops_per_s": 5e10, "n": 1024}}, "copy": {}}
-    path = store(tmp_path, "abc123", data)
+    data = {"device": "cpu: X", "matmul": {"float32": {"flops_per_s": 5e10, "n": 1024}}}
+    path = store(tmp_path, "abc123", Calibration.model_validate(data))
     assert path == tmp_path / "calibration" / "abc123.json"
     loaded = load(tmp_path, "abc123")
-    assert loaded["matmul"]["float32"]["flops_per_s"] == 5e10 and loaded["source"] == str(path)
+    assert loaded is not None and loaded.rate("float32") == 5e10 and loaded.source == str(path)
     assert load(tmp_path, "other") is None
     path.write_text("{not json")
     with pytest.raises(BadInput, match=r"abc123\.json: not a calibration file"):
@@ -83,19 +83,20 @@ H100 = ("NVIDIA H100 80GB HBM3", 80 * GiB)
 
 def test_peak_is_calibrated_when_the_machine_was():
     peak = peak_for(2e14, "bfloat16", "cuda", False, CALIBRATED, H100)
-    assert peak == {"fraction": 0.25, "peak_flops": 8e14, "source": "calibrated",
-                    "hardware": "cuda:0 NVIDIA H100 80GB HBM3 bfloat16 matmul",
-                    # no read bandwidth calibrated: the memory roof is the datasheet's, and says so
-                    "bandwidth": 3.35e12, "bandwidth_source": "h100_sxm datasheet memory bandwidth"}
-    assert peak_for(1e14, "float32", "cuda", True, CALIBRATED, H100)["peak_flops"] == 4e14  # TF32 impl
-    assert peak_for(1e13, "float32", "cuda", False, CALIBRATED, H100)["peak_flops"] == 5e13
+    assert peak.model_dump(exclude_none=True) == {
+        "fraction": 0.25, "peak_flops": 8e14, "source": "calibrated",
+        "hardware": "cuda:0 NVIDIA H100 80GB HBM3 bfloat16 matmul",
+        # no read bandwidth calibrated: the memory roof is the datasheet's, and says so
+        "bandwidth": 3.35e12, "bandwidth_source": "h100_sxm datasheet memory bandwidth"}
+    assert peak_for(1e14, "float32", "cuda", True, CALIBRATED, H100).peak_flops == 4e14  # TF32 impl
+    assert peak_for(1e13, "float32", "cuda", False, CALIBRATED, H100).peak_flops == 5e13
 
 
 def test_peak_falls_back_to_the_datasheet_and_says_so():
     peak = peak_for(494.7e12, "float16", "cuda", False, CALIBRATED, H100)  # float16 was not calibrated
-    assert peak["source"] == "datasheet" and peak["hardware"] == "h100_sxm fp16 tensor"
-    assert peak["fraction"] == pytest.approx(0.5)
-    assert peak_for(1e12, "float32", "cuda", True, None, H100)["hardware"] == "h100_sxm tf32 tensor"
+    assert peak.source == "datasheet" and peak.hardware == "h100_sxm fp16 tensor"
+    assert peak.fraction == pytest.approx(0.5)
+    assert peak_for(1e12, "float32", "cuda", True, None, H100).hardware == "h100_sxm tf32 tensor"
     assert peak_for(1e12, "float32", "cuda", False, None, ("Tesla V100-SXM2-16GB", 16 * GiB)) is None
     assert peak_for(1e9, "float32", "cpu", False, None, None) is None  # no datasheet for CPUs
     assert "fraction" not in peak_for(None, "float32", "cpu", False, CALIBRATED, None)  # a roof, no rate
@@ -109,9 +110,10 @@ def test_bench_calibrate_stores_under_the_fingerprint(tmp_path, monkeypatch, cap
     assert code == 0
     fingerprint = capture("cpu").fingerprint
     stored = load(tmp_path, fingerprint)
-    assert stored["matmul"]["float32"]["n"] == 128 and stored["matmul"]["float32"]["flops_per_s"] > 0
+    assert stored is not None and stored.matmul["float32"].n == 128 and stored.matmul["float32"].flops_per_s > 0
     # the read bandwidth decode is held to, with every thread and with one, beside the copy figure
-    assert stored["read"]["all_threads"]["bytes_per_s"] > 0 and stored["read"]["one_thread"]["threads"] == 1
+    assert stored.read is not None
+    assert stored.read["all_threads"].bytes_per_s > 0 and stored.read["one_thread"].threads == 1
     assert "read, 1 thread(s)" in out
     assert "float32 matmul" in out and "GFLOP/s" in out and f"calibration/{fingerprint}.json" in out
 
@@ -120,7 +122,7 @@ def test_records_use_the_stored_calibration_of_this_machine(tmp_path):
     results = tmp_path / "results"
     fingerprint = capture("cpu").fingerprint  # what the runner will compute in its own process
     rate = 3.2e10
-    store(results, fingerprint, {"device": "cpu: test", "matmul": {"float32": {"flops_per_s": rate}}, "copy": {}})
+    store(results, fingerprint, Calibration(device="cpu: test", matmul={"float32": {"flops_per_s": rate}}))
     suite = write_suite(tmp_path, {"name": "peaks", "impls": ["dense"], "defaults": {"heads": 1, "head_dim": 8,
                                    "device": "cpu"}, "sweep": {"seq_len": [64]},
                                    "measure": {"warmup": 0, "repeat": 3, "max_time_s": 0.01}})

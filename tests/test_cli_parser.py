@@ -19,4 +19,4 @@ def test_every_command_is_registered():
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert set(commands) == {"run", "list", "compare", "ab", "history", "export", "dashboard", "env", "calibrate",
-                             "model", "profile", "inputs", "capture", "submit"}
+                             "model", "profile", "inputs", "capture", "submit", "import"}

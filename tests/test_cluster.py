@@ -194,22 +194,23 @@ def test_a_rank_group_over_two_torchrun_nodes_counts_bytes_per_link(tmp_path):
 
 def test_a_rank_group_job_runs_its_ranks_as_srun_tasks(slurm, tmp_path):
     """The job `--nodes-per-rank-group K` submits per world size, here with K = 1 (one node is what this Slurm
-    has): srun starts P tasks, bench.run.slurm_rank turns Slurm's variables into torchrun's, rank 0 leads."""
-    from bench.run.executors import SlurmExecutor
+    has): srun starts P tasks, bench.run.cluster.slurm_rank turns Slurm's variables into torchrun's, rank 0 leads."""
+    from bench.run.cluster.executors import SlurmExecutor
+    from bench.run.cluster.plan import SubmitPlan
 
     suite = write_suite(tmp_path, {**RANK_SUITE, "impls": ["cp_ring", "dense"],
                                    "defaults": {**RANK_SUITE["defaults"], "world_size": 2}})
     run_id = "20260101T000000-abc1234-twonodes"
     run_dir = tmp_path / "results" / run_id
     run_dir.mkdir(parents=True)
-    plan = {"suite_file": str(suite), "run_id": run_id, "out": str(tmp_path / "results"), "rank_groups": [2],
-            "nodes_per_rank_group": 1, "shards": 1, "impls": []}
+    plan = SubmitPlan(suite_file=str(suite), executor="slurm", run_id=run_id, out=str(tmp_path / "results"),
+                      rank_groups=[2], shards=1, submitted_at="2026-01-01T00:00:00Z")
     os.environ["SLURM_CONF"] = slurm["SLURM_CONF"]  # the executor's sbatch and squeue read it
     try:
         executor = SlurmExecutor(None, 0, None)
         jobs = executor.start_all(1, plan, run_dir)  # the rank group alone: one job, no array
         deadline = time.monotonic() + 180
-        while any(executor.state(j) != "ended" for j in jobs) and time.monotonic() < deadline:
+        while any(executor.state(j).kind != "ended" for j in jobs) and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         del os.environ["SLURM_CONF"]

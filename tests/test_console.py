@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.format import format_seconds
+from bench.console.format import format_seconds
 
 
 def test_console_time_format_rounds_into_the_next_unit():

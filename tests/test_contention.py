@@ -18,7 +18,7 @@ from rich.console import Console
 from bench.analysis import ab_stats as st
 from bench.analysis import stats as cs
 from bench.measure import contention as ct
-from bench.results.records import Record
+from bench.results.records import DeviceState, Record
 from bench.run.console import busy_line, summary_table
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
 from tests.synthetic import commit_id, noisy, record, write_run
@@ -39,14 +39,14 @@ def test_a_quiet_interval_is_quiet_and_pressure_over_the_threshold_is_busy():
     meter.stop()
     quiet = meter.result("cpu")
     assert quiet is not None
-    assert quiet["verdict"] == "quiet" and quiet["cpu_pressure"] == pytest.approx(0.02)
-    assert quiet["cpu_over_wall"] == pytest.approx(0.95) and quiet["reason"] is None
+    assert quiet.verdict == "quiet" and quiet.cpu_pressure == pytest.approx(0.02)
+    assert quiet.cpu_over_wall == pytest.approx(0.95) and quiet.reason is None
     # the same with 0.8 s of stall: 40% of the interval
     meter = ct.ContentionMeter(fixed_readings([10.0, 12.0], [5.0, 6.9], [1_000_000, 1_800_000], 1.0))
     meter.start()
     meter.stop()
     busy = meter.result("cpu")
-    assert busy is not None and busy["verdict"] == "busy" and "CPU pressure 40%" in busy["reason"]
+    assert busy is not None and busy.verdict == "busy" and "CPU pressure 40%" in busy.reason
 
 
 def test_the_meter_sums_blocks_and_loses_psi_if_any_block_lacks_it():
@@ -56,13 +56,13 @@ def test_the_meter_sums_blocks_and_loses_psi_if_any_block_lacks_it():
         meter.start()
         meter.stop()
     result = meter.result("cpu")
-    assert result is not None and result["cpu_pressure"] == pytest.approx(0.15)  # 0.3 s of 2 s, not of 6 s
+    assert result is not None and result.cpu_pressure == pytest.approx(0.15)  # 0.3 s of 2 s, not of 6 s
     meter = ct.ContentionMeter(fixed_readings([0.0, 1.0, 5.0, 6.0], [0.0, 1.0, 1.0, 2.0], [0, 1, None, 2], 0.5))
     for _ in range(2):
         meter.start()
         meter.stop()
     result = meter.result("cpu")
-    assert result is not None and result["cpu_pressure"] is None and result["verdict"] == "quiet"
+    assert result is not None and result.cpu_pressure is None and result.verdict == "quiet"
     assert ct.ContentionMeter().result("cpu") is None  # nothing timed: no contention to report
 
 
@@ -74,6 +74,10 @@ def test_the_meter_sums_blocks_and_loses_psi_if_any_block_lacks_it():
     (0.0, 0.5, 0.3, None, "busy"),  # the timing loop got under half a core
     (None, None, None, ["hw_thermal_slowdown"], "busy"),
     (None, None, None, [], "quiet"),
+    (None, None, None, ["sw_power_cap"], "quiet"),  # the GPU's own power limit under this load
+    (None, None, None, ["power violation counters grew"], "quiet"),
+    (None, None, None, ["sw_power_cap", "sw_thermal_slowdown"], "busy"),
+    (None, None, None, ["thermal violation counters grew"], "busy"),
 ])
 def test_the_verdict_rule(pressure, load, over_wall, throttle, expected):
     assert ct.verdict(pressure, load, over_wall, throttle)[0] == expected
@@ -83,11 +87,11 @@ def test_cpu_over_wall_does_not_decide_on_cuda_and_a_throttled_gpu_is_busy():
     meter = ct.ContentionMeter(fixed_readings([0.0, 1.0], [0.0, 0.1], [0, 0], 0.1))
     meter.start()
     meter.stop()
-    state = {"throttled": True, "throttle_reasons": ["sw_thermal_slowdown"]}
+    state = DeviceState(throttled=True, throttle_reasons=["sw_thermal_slowdown"])
     result = meter.result("cuda", state)
-    assert result is not None and result["gpu_throttle"] == ["sw_thermal_slowdown"] and result["verdict"] == "busy"
-    result = meter.result("cuda", {"throttled": False, "throttle_reasons": []})
-    assert result is not None and result["verdict"] == "quiet" and result["cpu_over_wall"] == pytest.approx(0.1)
+    assert result is not None and result.gpu_throttle == ["sw_thermal_slowdown"] and result.verdict == "busy"
+    result = meter.result("cuda", DeviceState(throttled=False))
+    assert result is not None and result.verdict == "quiet" and result.cpu_over_wall == pytest.approx(0.1)
 
 
 def test_psi_is_read_from_the_some_line(tmp_path):
@@ -225,12 +229,13 @@ def test_the_suite_takes_wait_for_quiet_s_and_refuses_a_negative_one(tmp_path):
 
 
 def test_a_gpu_that_throttles_while_timed_makes_a_busy_record_through_nvml():
-    """The CUDA side, through the fake NVML: a thermal slowdown seen around the timing, or power-cap time that
-    grew in between, is a busy verdict with the reasons; an idle-then-busy GPU that never throttled is quiet."""
+    """The CUDA side, through the fake NVML: a thermal slowdown seen around the timing, or thermal violation time
+    that grew in between, is a busy verdict with the reasons; the GPU holding its power limit (power-cap time that
+    grew) is recorded but quiet; an idle-then-busy GPU that never throttled is quiet."""
     from tests.fake_nvml import FakeGpu
     from tests.test_env import monitor_of
 
-    def verdict_after(change) -> dict:
+    def verdict_after(change) -> ct.ContentionInfo:
         gpu = FakeGpu(reasons=0x0)
         monitor, meter = monitor_of(gpu), ct.ContentionMeter(fixed_readings([0.0, 1.0], [0.0, 1.0], [0, 0], 0.1))
         monitor.start()
@@ -242,18 +247,20 @@ def test_a_gpu_that_throttles_while_timed_makes_a_busy_record_through_nvml():
         return result
 
     hot = verdict_after(lambda g: setattr(g, "reasons", 0x20))
-    assert hot["verdict"] == "busy" and hot["gpu_throttle"] == ["sw_thermal_slowdown"]
+    assert hot.verdict == "busy" and hot.gpu_throttle == ["sw_thermal_slowdown"]
     capped = verdict_after(lambda g: g.violation_ns.__setitem__(0, 250_000_000))
-    assert capped["verdict"] == "busy" and capped["gpu_throttle"] == ["violation counters grew"]
+    assert capped.verdict == "quiet" and capped.gpu_throttle == ["power violation counters grew"]
+    heated = verdict_after(lambda g: g.violation_ns.__setitem__(1, 250_000_000))
+    assert heated.verdict == "busy" and heated.gpu_throttle == ["thermal violation counters grew"]
     calm = verdict_after(lambda g: setattr(g, "reasons", 0x1))
-    assert calm["verdict"] == "quiet" and calm["gpu_throttle"] == []
+    assert calm.verdict == "quiet" and calm.gpu_throttle == []
 
 
 def test_a_later_trial_timed_busy_makes_the_ab_change_noisy():
     """bench ab's later trials write no record, but their contention counts: a change with a busy later trial
     is NOISY, the same change with every trial quiet is SLOWER."""
     from bench.analysis.ab import compare_ab
-    from bench.run.ab import ABMeasurement, PairMeasurement
+    from bench.run.ab.command import ABMeasurement, PairMeasurement
     from tests.test_ab_stats import rounds_for, side
 
     rng = np.random.default_rng(8)

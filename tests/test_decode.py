@@ -106,12 +106,12 @@ def test_the_binding_roof():
     calibration = Calibration(device="cpu", matmul={"bfloat16": {"flops_per_s": 400e9}},
                               read={"all_threads": {"bytes_per_s": 20e9}})
     decode = peak_for(1e9, "bfloat16", "cpu", False, calibration, None, 10e9, 1e6, 10**8)
-    assert decode["bound"] == "memory" and decode["bandwidth_fraction"] == pytest.approx(0.5)
-    assert decode["bandwidth_source"] == "calibrated all-thread read"
+    assert decode.bound == "memory" and decode.bandwidth_fraction == pytest.approx(0.5)
+    assert decode.bandwidth_source == "calibrated all-thread read"
     prefill = peak_for(200e9, "bfloat16", "cpu", False, calibration, None, 1e9, 1e12, 10**8)
-    assert prefill["bound"] == "compute" and prefill["fraction"] == pytest.approx(0.5)
+    assert prefill.bound == "compute" and prefill.fraction == pytest.approx(0.5)
     h200 = peak_for(1e12, "bfloat16", "cuda", False, None, ("NVIDIA H200", 141 * 2**30), 2e12, 1e9, 10**9)
-    assert h200["bandwidth_source"].endswith("datasheet memory bandwidth") and h200["bound"] == "memory"
+    assert str(h200.bandwidth_source).endswith("datasheet memory bandwidth") and h200.bound == "memory"
 
 
 @pytest.mark.parametrize("changes, words", [

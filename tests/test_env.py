@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -12,6 +13,7 @@ from bench.measure import env as env_module
 from bench.measure import pair as measure_module
 from bench.measure.nvml import GpuMonitor, Nvml, UnmonitoredGpu, decode_reasons, device_monitor
 from bench.results.environment import Environment
+from bench.results.records import DeviceState, GpuIdentity
 from bench.spec.case import Case
 from tests.fake_nvml import FakeGpu, fake_torch, make_module
 
@@ -31,7 +33,8 @@ def test_this_machine_without_nvml_records_it_cleanly():
     assert env["gpus"] == []
     assert env["nvml"]["available"] is False
     assert "NVML" in env["nvml"]["reason"] and env["nvml"]["driver"] is None
-    assert len(env["fingerprint"]) == 16 and int(env["fingerprint"], 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{16}", env["fingerprint"])
+    assert env["fingerprint"] == env_module.capture("cpu").computed_fingerprint()  # the hash of its own fields
     assert env["versions"]["torch"] and env["versions"]["nvidia-ml-py"]
     assert env["cpu"]["usable_cores"] >= 1 and env["cpu"]["torch_threads"] >= 1
     json.dumps(env, allow_nan=False)  # storable as is
@@ -48,7 +51,7 @@ def test_library_not_found_is_a_reason():
     nvml = Nvml(make_module([FakeGpu()], library_missing=True))
     assert not nvml.available
     assert nvml.reason == "NVML unavailable: NVML Shared Library Not Found"
-    assert env_module.nvml_status(nvml) == {"available": False, "reason": nvml.reason, "driver": None,
+    assert env_module.nvml_status(nvml).model_dump() == {"available": False, "reason": nvml.reason, "driver": None,
                                             "cuda_driver": None}
 
 
@@ -96,7 +99,7 @@ def test_clock_event_reasons_decode(mask, names):
 
 def monitor_of(gpu: FakeGpu) -> GpuMonitor:
     nvml = Nvml(make_module([gpu]))
-    return GpuMonitor(nvml, nvml.handle(index=0), {"cuda_index": 0, "uuid": gpu.uuid, "name": gpu.name})
+    return GpuMonitor(nvml, nvml.handle(index=0), GpuIdentity(cuda_index=0, uuid=gpu.uuid, name=gpu.name))
 
 
 def test_a_thermal_slowdown_seen_after_the_timing_marks_the_record_throttled():
@@ -105,9 +108,9 @@ def test_a_thermal_slowdown_seen_after_the_timing_marks_the_record_throttled():
     monitor.start()
     gpu.reasons, gpu.sm_clock, gpu.temperature = 0x20, 1410, 87
     summary = monitor.stop()
-    assert summary["throttled"] is True and summary["throttle_reasons"] == ["sw_thermal_slowdown"]
-    assert (summary["before"]["sm_clock_mhz"], summary["after"]["sm_clock_mhz"]) == (1980, 1410)
-    assert summary["after"]["temperature_c"] == 87
+    assert summary.throttled is True and summary.throttle_reasons == ["sw_thermal_slowdown"]
+    assert (summary.before.sm_clock_mhz, summary.after.sm_clock_mhz) == (1980, 1410)
+    assert summary.after.temperature_c == 87
 
 
 def test_throttling_between_the_samples_is_caught_by_the_violation_counters():
@@ -116,8 +119,8 @@ def test_throttling_between_the_samples_is_caught_by_the_violation_counters():
     monitor.start()
     gpu.violation_ns[0] += 250_000_000  # 0.25 s power-capped, over by the time we look again
     summary = monitor.stop()
-    assert summary["throttled"] is True and summary["throttle_reasons"] == []
-    assert summary["violation_s"] == {"power": 0.25, "thermal": 0.0}
+    assert summary.throttled is True and summary.throttle_reasons == []
+    assert summary.violation_s == {"power": 0.25, "thermal": 0.0}
 
 
 def test_idle_and_power_cap_reasons_differ():
@@ -125,14 +128,14 @@ def test_idle_and_power_cap_reasons_differ():
     monitor = monitor_of(gpu)
     monitor.start()
     gpu.reasons = 0x0
-    assert monitor.stop()["throttled"] is False
+    assert monitor.stop().throttled is False
 
 
 def test_unknown_throttling_is_null_not_false():
     gpu = FakeGpu(unsupported={"nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetViolationStatus"})
     monitor = monitor_of(gpu)
     monitor.start()
-    assert monitor.stop()["throttled"] is None
+    assert monitor.stop().throttled is None
 
 
 def test_device_monitor_matches_the_cuda_device_by_uuid():
@@ -142,17 +145,16 @@ def test_device_monitor_matches_the_cuda_device_by_uuid():
                        current=1)
     monitor = device_monitor("cuda", nvml=nvml, torch_module=torch)
     assert isinstance(monitor, GpuMonitor)
-    assert monitor.gpu == {"cuda_index": 1, "uuid": f"GPU-{A4090_UUID}", "name": "NVIDIA GeForce RTX 4090"}
+    assert monitor.gpu == GpuIdentity(cuda_index=1, uuid=f"GPU-{A4090_UUID}", name="NVIDIA GeForce RTX 4090")
     monitor.start()
-    assert monitor.stop()["throttled"] is True  # the 4090 sits at its power cap (0x4)
+    assert monitor.stop().throttled is True  # the 4090 sits at its power cap (0x4)
 
 
 def test_device_monitor_without_nvml_says_why():
     monitor = device_monitor("cuda", nvml=Nvml(make_module([], library_missing=True)), torch_module=fake_torch())
     assert isinstance(monitor, UnmonitoredGpu)
     monitor.start()
-    assert monitor.stop() == {"gpu": None, "throttled": None,
-                              "reason": "NVML unavailable: NVML Shared Library Not Found"}
+    assert monitor.stop() == DeviceState(reason="NVML unavailable: NVML Shared Library Not Found")
     torch = fake_torch([("Some GPU", "00000000-0000-0000-0000-000000000000", 1)])
     unmatched = device_monitor("cuda", nvml=Nvml(make_module(two_gpus())), torch_module=torch)
     assert isinstance(unmatched, UnmonitoredGpu) and "no NVML GPU matches cuda:0" in unmatched.reason
@@ -199,8 +201,9 @@ def test_measure_records_the_device_state_around_the_timing(monkeypatch):
                                {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "check": True})
     record = measure_module.measure_task(task, measure_module.CaseCache())
     assert record.status == "ok"
-    assert record.env["throttled"] is True and record.env["throttle_reasons"] == ["hw_thermal_slowdown"]
-    assert record.env["gpu"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert record.env is not None and record.env.throttled is True
+    assert record.env.throttle_reasons == ["hw_thermal_slowdown"] and record.env.gpu is not None
+    assert record.env.gpu.name == "NVIDIA H100 80GB HBM3"
 
 
 def test_cpu_records_have_no_device_state():
@@ -214,3 +217,20 @@ def test_bench_env_prints_json(capsys):
     assert main(["env"]) == 0
     env = json.loads(capsys.readouterr().out)
     assert set(env) == {"git", "host", "cpu", "gpus", "nvml", "versions", "backend", "fingerprint"}
+
+
+def test_a_copied_tree_takes_its_commit_from_whoever_copied_it(tmp_path, monkeypatch):
+    from bench.measure import env
+
+    monkeypatch.delenv("BENCH_GIT_COMMIT", raising=False)
+    own = env.git_info()
+    assert own.commit is not None and len(own.commit) == 40  # this checkout's own repository
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "0123abc")  # stated: wins over the repository beside the tree
+    info = env.git_info()
+    assert (info.commit, info.dirty, info.branch) == ("0123abc", False, None)
+    monkeypatch.setenv("BENCH_GIT_DIRTY", "1")
+    assert env.git_info().dirty is True
+    monkeypatch.delenv("BENCH_GIT_COMMIT")
+    monkeypatch.setattr(env, "PROJECT_ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path)  # no repository above a fresh temporary directory, nothing stated
+    assert env.git_info().commit is None

@@ -59,3 +59,20 @@ def test_every_fault_kind_gives_its_record_and_the_run_goes_on(tmp_path, faulty_
     for real in ("naive_loop", "dense", "sdpa"):
         assert records[real]["status"] == "ok", records[real]
     assert processes_with_marker(marker) == []
+
+
+def test_a_sticky_cuda_error_replaces_the_worker(tmp_path, faulty_plugin):
+    """After an illegal address or a device-side assert every later launch in that CUDA context fails: the pair
+    after it is measured by a fresh worker (here the error is planted on the CPU; the runner reads its reason)."""
+    suite = write_suite(tmp_path, {
+        "name": "sticky", "impls": ["fault_pid", "fault_sticky"], "plugins": ["faulty.py"],
+        "defaults": {"heads": 2, "head_dim": 16, "device": "cpu"}, "sweep": {"seq_len": [48, 64]},
+        "measure": {"warmup": 0, "repeat": 2, "max_time_s": 0.01, "timeout_s": 30},
+    })
+    proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    records = read_jsonl(only_run_dir(tmp_path / "results") / "records.jsonl")
+    pids = [r["config"]["pid"] for r in records if r["impl"] == "fault_pid"]
+    assert [r["status"] for r in records if r["impl"] == "fault_pid"] == ["ok", "ok"]
+    assert "illegal memory access" in next(r["reason"] for r in records if r["impl"] == "fault_sticky")
+    assert pids[0] != pids[1]

@@ -48,3 +48,15 @@ def test_block_mask_holds_the_pattern_blocks(name):
         assert full_got == set(torch.nonzero(full[r]).flatten().tolist()), r
         assert partial_got == set(torch.nonzero(any_allowed[r] & ~full[r]).flatten().tolist()), r
     assert mask.seq_lengths == (pattern.seq_len, pattern.seq_len)
+
+
+def test_blocks_under_128_set_the_forward_tiles_on_a_gpu_only():
+    """Inductor's one default forward tile on Hopper is 128 query rows, which must divide the BlockMask's block:
+    a 64-token block passes its own size as the tiles (else FlexAttention falls back to uncompiled)."""
+    from impls.flex import kernel_options
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert kernel_options(64, cuda, 4096) == {"BLOCK_M": 64, "BLOCK_N": 64}
+    assert kernel_options(128, cuda, 4096) is None  # the default tiles divide it
+    assert kernel_options(64, cpu, 4096) is None  # Inductor's CPU template tiles on its own
+    assert kernel_options(64, cuda, 1) is None  # decode: FlexAttention's decoding kernel

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench.run.forkserver import ForkServer
+from bench.run.forkserver import ForkReply, ForkServer
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -30,7 +30,7 @@ def test_each_request_runs_in_a_fresh_process_that_sees_nothing_of_the_earlier_o
     server = ForkServer(remember)
     try:
         STATE.append(99)  # after the fork: no fresh process sees it
-        first, second = server.run({"value": 2})["answer"], server.run({"value": 3})["answer"]
+        first, second = server.run({"value": 2}).answer, server.run({"value": 3}).answer
     finally:
         server.close()
     assert first["seen"] == [1, 2] and second["seen"] == [1, 3]
@@ -46,9 +46,9 @@ def test_a_job_that_raises_or_dies_is_an_error_and_the_server_goes_on():
         again = server.run({"value": 6})
     finally:
         server.close()
-    assert raised["error"] == "ValueError: bad value 5" and "Traceback" in raised["details"]
-    assert died == {"error": "the fresh process ended without an answer (exit code 3)"}
-    assert again["error"] == "ValueError: bad value 6"
+    assert raised.error == "ValueError: bad value 5" and "Traceback" in str(raised.details)
+    assert died == ForkReply(error="the fresh process ended without an answer (exit code 3)")
+    assert again.error == "ValueError: bad value 6"
 
 
 def test_a_closed_or_killed_server_answers_with_why():
@@ -56,7 +56,7 @@ def test_a_closed_or_killed_server_answers_with_why():
     os.kill(server.pid, 9)
     os.waitpid(server.pid, 0)
     answer = server.run({"value": 1})
-    assert answer["error"] in ("the fork server died", "the fork server is gone (Broken pipe)")
+    assert answer.error in ("the fork server died", "the fork server is gone (Broken pipe)")
     assert server.run({"value": 1}) == answer  # broken from then on, without trying again
     server.close()
 

@@ -33,15 +33,15 @@ def test_the_l2_flush_is_not_in_the_timed_region():
     flush = measure(timer.flush_l2, TimingPolicy(warmup=3, repeat=50, max_time_s=0.5), timer)
     # reading 2x L2 from device memory takes far longer than a 16-element add; if the flush were timed,
     # the add would take at least as long as the flush
-    assert kernel["median"] < flush["median"] / 2
+    assert kernel.median < flush.median / 2
 
 
 def test_nvml_sees_the_device_and_the_monitor_reports_throttling():
     env = capture("cuda")
-    assert env["nvml"]["available"], env["nvml"]
-    gpu = env["gpus"][0]
-    assert gpu["uuid"].startswith(("GPU-", "MIG-")) and gpu["nvml"] is True
-    assert gpu["driver"] and gpu["sm_clock_max_mhz"] and gpu["memory_bytes"] > 2**30
+    assert env.nvml is not None and env.nvml.available, env.nvml
+    gpu = env.gpus[0]
+    assert gpu.uuid is not None and gpu.uuid.startswith(("GPU-", "MIG-")) and gpu.nvml is True
+    assert gpu.driver and getattr(gpu, "sm_clock_max_mhz", None) and (gpu.memory_bytes or 0) > 2**30
     monitor = device_monitor("cuda")
     assert isinstance(monitor, GpuMonitor)
     monitor.start()
@@ -50,17 +50,18 @@ def test_nvml_sees_the_device_and_the_monitor_reports_throttling():
         x = x @ x.T / 4096
     torch.cuda.synchronize()
     summary = monitor.stop()
-    assert summary["throttled"] in (True, False) and summary["after"]["sm_clock_mhz"] > 0
-    json.dumps(summary, allow_nan=False)
+    assert summary.throttled in (True, False) and summary.after is not None and summary.after.sm_clock_mhz > 0
+    json.dumps(summary.model_dump(mode="json"), allow_nan=False)
 
 
 def test_calibrated_rates_are_below_the_datasheet():
     result = calibrate("cuda", ["bfloat16", "float32"], QUICK)
     spec = match_gpu(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
-    assert result["copy"]["bytes_per_s"] > 1e11 and set(result["matmul"]) == {"bfloat16", "float32", "tf32"}
+    assert result.copy_ is not None and result.copy_.bytes_per_s > 1e11
+    assert set(result.matmul) == {"bfloat16", "float32", "tf32"}
     if spec is not None:
-        assert 0.2 * spec.bf16_flops < result["matmul"]["bfloat16"]["flops_per_s"] < 1.1 * spec.bf16_flops
-        assert result["copy"]["bytes_per_s"] < 1.1 * spec.memory_bandwidth
+        assert 0.2 * spec.bf16_flops < result.matmul["bfloat16"].flops_per_s < 1.1 * spec.bf16_flops
+        assert result.copy_.bytes_per_s < 1.1 * spec.memory_bandwidth
 
 
 def test_the_memory_model_uses_the_devices_free_memory():

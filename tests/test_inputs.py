@@ -196,7 +196,7 @@ def test_file_inputs_take_a_prefix_of_the_tokens_and_the_last_queries(tmp_path):
         q, k = f.get_tensor("layers.3.q"), f.get_tensor("layers.3.k")
     assert made.q.dtype == torch.bfloat16 and made.q.shape == (1, 4, 8, 16) and made.k.shape == (1, 2, 200, 16)
     assert torch.equal(made.q, q[:, :, 192:200].bfloat16()) and torch.equal(made.k, k[:, :, :200].bfloat16())
-    assert made.info()["file_sha256"] == file_sha256(tmp_path / "cap.safetensors")
+    assert made.info().file_sha256 == file_sha256(tmp_path / "cap.safetensors")
 
 
 def test_a_suite_runs_file_and_structured_inputs_through_implementations_and_the_oracle(tmp_path):

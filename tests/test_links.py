@@ -19,7 +19,9 @@ import pytest
 import impls  # noqa: F401
 from bench import registry
 from bench.comm import Communicator, link_bytes, use
+from bench.measure.rank_part import RankPart
 from bench.measure.topology import links, topology_of
+from bench.results.records import LinkBytes
 from tests.link_rank_program import SCHEMES, cases
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,12 +111,13 @@ def ulysses_stays_inside_nodes(sent: list[list[int]]) -> None:
 
 
 def test_records_carry_topology_and_both_splits():
-    parts = [{"rank": r, "node": f"h#{r // 2}", "peers": {str((r + 1) % 4): 10}} for r in range(4)]
+    parts = [RankPart(rank=r, node=f"h#{r // 2}", peers={str((r + 1) % 4): 10}) for r in range(4)]
     got = links(parts, [[0, 10, 0, 0], [0, 0, 10, 0], [0, 0, 0, 10], [10, 0, 0, 0]])
-    assert got["topology"] == {"nodes": 2, "ranks_per_node": [2, 2], "node_of_rank": [0, 0, 1, 1],
-                               "node_names": ["h#0", "h#1"]}
-    assert got["by_link"] == got["expected_bytes_by_link"] == {"intra_node": 20, "inter_node": 20}
-    assert topology_of(["b", "a", "b"])["node_of_rank"] == [0, 1, 0]
+    assert got is not None
+    assert got.topology.model_dump() == {"nodes": 2, "ranks_per_node": [2, 2], "node_of_rank": [0, 0, 1, 1],
+                                         "node_names": ["h#0", "h#1"]}
+    assert got.by_link == got.expected_bytes_by_link == LinkBytes(intra_node=20, inter_node=20)
+    assert topology_of(["b", "a", "b"]).node_of_rank == [0, 1, 0]
 
 
 def test_the_dashboard_draws_inter_node_bytes_against_world_size_and_placement(tmp_path):

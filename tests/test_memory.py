@@ -12,8 +12,10 @@ import torch
 
 from bench import registry
 from bench.measure import memory
+from bench.measure.fresh_memory import FreshMemoryFailed
 from bench.measure.pair import CaseCache, Task, measure_task
 from bench.registry import Impl
+from bench.results.records import MemoryInfo
 from bench.spec.case import Case
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
 
@@ -32,20 +34,20 @@ def _touch(nbytes: int) -> torch.Tensor:
 class TestCpuPeak:
     def test_counts_what_the_call_allocates(self):
         result = memory.measure_cpu_peak(lambda: _touch(64 * MiB))
-        assert result["method"] == "rss_hwm"
-        assert 64 * MiB - SLACK <= result["peak_bytes"] < 64 * MiB + 16 * MiB
+        assert result.method == "rss_hwm"
+        assert 64 * MiB - SLACK <= result.peak_bytes < 64 * MiB + 16 * MiB
 
     def test_counts_memory_freed_inside_the_call(self):
         def transient() -> None:
             for _ in range(3):
                 _touch(48 * MiB)  # each freed before the next: the peak is one of them
 
-        peak = memory.measure_cpu_peak(transient)["peak_bytes"]
+        peak = memory.measure_cpu_peak(transient).peak_bytes
         assert 48 * MiB - SLACK <= peak < 2 * 48 * MiB
 
     def test_excludes_what_existed_before(self):
         kept = _touch(64 * MiB)
-        peak = memory.measure_cpu_peak(lambda: kept.sum())["peak_bytes"]
+        peak = memory.measure_cpu_peak(lambda: kept.sum()).peak_bytes
         assert peak < 8 * MiB
 
     def test_heap_chunks_freed_before_the_call_do_not_hide_its_memory(self):
@@ -55,7 +57,7 @@ class TestCpuPeak:
         for _ in range(3):
             chunks = [_touch(4 * MiB) for _ in range(8)]
             del chunks
-        peak = memory.measure_cpu_peak(lambda: [_touch(4 * MiB) for _ in range(8)])["peak_bytes"]
+        peak = memory.measure_cpu_peak(lambda: [_touch(4 * MiB) for _ in range(8)]).peak_bytes
         assert peak >= 8 * 4 * MiB - SLACK
 
 
@@ -107,7 +109,7 @@ def test_cuda_peak_is_the_call_peak_minus_what_was_allocated_before():
         return "output"
 
     result = memory.measure_cuda_peak(call, torch_module=FakeTorch(cuda))
-    assert result == {"peak_bytes": 500, "method": "cuda_max_memory_allocated", "note": None}
+    assert result == MemoryInfo(peak_bytes=500, method="cuda_max_memory_allocated")
     # Synchronised before reading the baseline and after the call, the peak reset before the call.
     assert cuda.log == ["synchronize", "memory_allocated", "reset_peak_memory_stats", "call", "synchronize",
                         "max_memory_allocated"]
@@ -118,7 +120,7 @@ def test_measure_peak_sends_cuda_devices_to_the_cuda_path(monkeypatch):
     for name in ("synchronize", "memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
     result = memory.measure_peak(lambda: cuda.alloc(4096), "cuda:0")
-    assert result["peak_bytes"] == 4096 and result["method"] == "cuda_max_memory_allocated"
+    assert result.peak_bytes == 4096 and result.method == "cuda_max_memory_allocated"
     assert "reset_peak_memory_stats" in cuda.log
 
 
@@ -233,9 +235,9 @@ def test_a_failed_fresh_process_falls_back_to_the_worker_and_says_so():
     task = Task.of(case, "dense", {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 60, "check": False})
     asked: list[str] = []
 
-    def fresh(t: Task) -> dict:
+    def fresh(t: Task, selection_file: str | None) -> MemoryInfo:
         asked.append(t.impl)
-        return {"error": "the fresh process ended without an answer (killed by SIGKILL)"}
+        raise FreshMemoryFailed("the fresh process ended without an answer (killed by SIGKILL)")
 
     record = measure_task(task, CaseCache(), fresh=fresh)
     assert asked == ["dense"] and record.status == "ok"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from bench.measure.rank_part import RankPart
 from bench.measure.rank_record import assemble_record
 from bench.measure.task import Task
 from bench.run import ranks
@@ -47,9 +48,9 @@ def task() -> Task:
 
 @pytest.mark.parametrize("kind", ["out_of_memory", "error"])
 def test_a_rank_that_ran_out_of_memory_gives_an_out_of_memory_record(kind):
-    parts = [{"rank": 0, "status": "failed", "reason": "a peer's error", "phase": "first call", "comm_error": True,
-              "failure": "error"},
-             {"rank": 1, "status": "failed", "reason": "OutOfMemoryError during first call", "phase": "first call",
-              "comm_error": False, "failure": kind}]
+    parts = [RankPart(rank=0, status="failed", reason="a peer's error", phase="first call", comm_error=True,
+                      failure="error"),
+             RankPart(rank=1, status="failed", reason="OutOfMemoryError during first call", phase="first call",
+                      comm_error=False, failure=kind)]
     record = assemble_record(task(), parts, "gloo", "2026-01-01T00:00:00Z", 1.0)
     assert record.status == "failed" and record.failure == kind and record.reason.startswith("rank 1: ")

@@ -166,7 +166,7 @@ def test_resume_refuses_another_suite(tmp_path):
     other = write_suite(tmp_path, small_suite(impls=["dense"], sweep={"seq_len": [48]}), name="other.yaml")
     proc = run_bench("run", str(other), "--out", str(results), "--resume", str(only_run_dir(results)))
     assert proc.returncode == 2
-    assert "--resume" in proc.stderr and "same suite file" in proc.stderr
+    assert "--resume" in proc.stderr and "suite: the run was made from suite" in proc.stderr
 
 
 def test_extensions_are_built_before_the_first_pair_for_the_devices_of_its_pairs(monkeypatch):

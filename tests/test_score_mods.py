@@ -19,8 +19,8 @@ from bench.cli import main
 from bench.errors import Unavailable
 from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.patterns import alibi_slopes, make_pattern, make_score_mod, t5_bucket
-from bench.plugins import load_plugin
 from bench.spec.case import Case
+from bench.spec.plugins import load_plugin
 from tests.conftest import PLUGINS, ROOT, only_run_dir, read_jsonl, run_bench, write_suite
 
 MODS = [("softcap", {"softcap": 2.0}), ("alibi", {}), ("relative_bias", {})]

@@ -16,7 +16,7 @@ import pytest
 from bench.cli import main
 from bench.errors import BadInput
 from bench.results.store import read_run_records
-from bench.run.shards import PartLock, ShardSpec, parse_shard, split
+from bench.run.cluster.shards import PartLock, ShardSpec, parse_shard, split
 from bench.spec.suite import load_suite
 from tests.conftest import ROOT, bench_cmd, read_jsonl, write_suite
 
@@ -54,8 +54,9 @@ def test_bad_input_exits_2_with_a_message(tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "results")
     cases = [
         (["run", str(suite), "--shard", "3/2", "--out", out], "--shard: got '3/2'"),
-        (["run", str(suite), "--shard", "0/2", "--run-id", "nope", "--out", out], "--run-id: got 'nope'"),
-        (["run", str(suite), "--run-id", RUN_ID, "--out", out], "without --shard"),
+        (["run", str(suite), "--shard", "0/2", "--run-id", "../up", "--out", out], "--run-id: got '../up'"),
+        (["run", str(suite), "--run-id", ".hidden", "--out", out], "not starting with '.'"),
+        (["run", str(suite), "--run-id", "nightly-42", "--resume", out], "with --resume"),
         (["submit", str(suite), "--executor", "pbs", "--out", out], "executors: local, slurm"),
         (["submit", "--attach", str(tmp_path)], "no submit.json"),
     ]
@@ -123,7 +124,7 @@ def test_local_shards_concurrently_one_killed_and_resubmitted_lose_and_duplicate
                 os.killpg(int(job[-1]["id"]), signal.SIGKILL)  # only if the test failed half-way
     assert attach.returncode == 0, attach.stdout + attach.stderr
     assert "shard 1/2: job" in attach.stdout and "submitting it again (2 of 3)" in attach.stdout
-    assert "shards: 0 pending, 0 running, 2 done, 0 failed" in attach.stdout
+    assert "shards: 0 pending, 0 running, 0 unknown, 2 done, 0 failed" in attach.stdout
     merged = read_run_records(run_dir)
     keys = [(r.case_id, r.impl) for r in merged.records]
     assert sorted(keys) == sorted(pairs_of(suite)) and not merged.warnings  # every pair once
@@ -136,7 +137,7 @@ def test_local_shards_concurrently_one_killed_and_resubmitted_lose_and_duplicate
 
 
 def test_rank_groups_as_shards_of_their_own():
-    from bench.run.shards import split_rank_groups
+    from bench.run.cluster.shards import split_rank_groups
 
     sizes = [1, 2, 1, 4, 1, 2, 4, 1]
     parts = split_rank_groups(sizes, 4)
@@ -147,7 +148,7 @@ def test_rank_groups_as_shards_of_their_own():
 
 
 def test_slurm_task_variables_become_the_launchers():
-    from bench.run.slurm_rank import launcher_env
+    from bench.run.cluster.slurm_rank import launcher_env
 
     env = launcher_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
                         "SLURM_JOB_NUM_NODES": "4", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"})

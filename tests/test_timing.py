@@ -51,22 +51,22 @@ def test_quiet_callable_stops_when_the_median_is_known_to_1_percent():
     clock = FakeClock()
     kernel = SyntheticKernel(clock, 1e-3, sigma=0.005)
     stats = run(kernel, clock, warmup=2, repeat=10, max_time_s=10.0)
-    assert stats["stopped_by"] == "precision"
-    assert stats["rel_ci95"] <= 0.01
-    assert abs(stats["median"] - 1e-3) / 1e-3 < 0.01
-    assert stats["ci95"][0] <= 1e-3 <= stats["ci95"][1]
-    assert 10 <= stats["n"] == len(stats["samples"]) < 100
-    assert kernel.calls == 2 + stats["n"]
+    assert stats.stopped_by == "precision"
+    assert stats.rel_ci95 <= 0.01
+    assert abs(stats.median - 1e-3) / 1e-3 < 0.01
+    assert stats.ci95[0] <= 1e-3 <= stats.ci95[1]
+    assert 10 <= stats.n == len(stats.samples) < 100
+    assert kernel.calls == 2 + stats.n
 
 
 def test_noisy_callable_spends_the_budget_and_records_the_precision_reached():
     clock = FakeClock()
     kernel = SyntheticKernel(clock, 1e-3, sigma=0.8, seed=1)
     stats = run(kernel, clock, warmup=0, repeat=5, max_time_s=0.05)
-    assert stats["stopped_by"] == "max_time"
-    assert stats["rel_ci95"] > 0.01  # honest: the target was not reached
-    assert 0.05 <= sum(stats["samples"]) < 0.05 + max(stats["samples"]) + 1e-12
-    assert stats["ci95"][0] <= 1e-3 <= stats["ci95"][1]
+    assert stats.stopped_by == "max_time"
+    assert stats.rel_ci95 > 0.01  # honest: the target was not reached
+    assert 0.05 <= sum(stats.samples) < 0.05 + max(stats.samples) + 1e-12
+    assert stats.ci95[0] <= 1e-3 <= stats.ci95[1]
 
 
 def test_warmup_and_first_calls_are_never_in_the_samples():
@@ -74,24 +74,24 @@ def test_warmup_and_first_calls_are_never_in_the_samples():
     # two warm-up calls that compile/autotune (seconds), then a steady 2 ms kernel
     kernel = SyntheticKernel(clock, 2e-3, sigma=0.0, first_calls=(5.0, 3.0))
     stats = run(kernel, clock, warmup=2, repeat=8, max_time_s=1.0)
-    assert stats["samples"] == pytest.approx([2e-3] * stats["n"], rel=1e-9)
-    assert stats["max"] == pytest.approx(2e-3)
+    assert stats.samples == pytest.approx([2e-3] * stats.n, rel=1e-9)
+    assert stats.max == pytest.approx(2e-3)
 
 
 def test_repeat_is_a_minimum_and_six_samples_are_needed_for_a_ci():
     clock = FakeClock()
     stats = run(SyntheticKernel(clock, 1e-3, sigma=0.0), clock, warmup=0, repeat=20, max_time_s=10.0)
-    assert (stats["n"], stats["stopped_by"]) == (20, "precision")
-    assert stats["rel_ci95"] == pytest.approx(0.0, abs=1e-12)
+    assert (stats.n, stats.stopped_by) == (20, "precision")
+    assert stats.rel_ci95 == pytest.approx(0.0, abs=1e-12)
     clock = FakeClock()
     stats = run(SyntheticKernel(clock, 1e-3, sigma=0.0), clock, warmup=0, repeat=3, max_time_s=10.0)
-    assert (stats["n"], stats["stopped_by"]) == (6, "precision")  # n < 6 has no 95% CI of the median
+    assert (stats.n, stats.stopped_by) == (6, "precision")  # n < 6 has no 95% CI of the median
 
 
 def test_max_samples_bounds_a_callable_that_takes_no_time():
     clock = FakeClock()
     stats = run(SyntheticKernel(clock, 0.0, sigma=0.0), clock, warmup=0, repeat=5, max_samples=50)
-    assert (stats["n"], stats["stopped_by"], stats["rel_ci95"]) == (50, "max_samples", None)
+    assert (stats.n, stats.stopped_by, stats.rel_ci95) == (50, "max_samples", None)
 
 
 def test_the_ci_is_checked_o_log_n_times(monkeypatch):
@@ -100,9 +100,9 @@ def test_the_ci_is_checked_o_log_n_times(monkeypatch):
     monkeypatch.setattr(timing, "rel_ci_halfwidth", lambda s: checks.append(len(s)) or real(s))
     clock = FakeClock()
     stats = run(SyntheticKernel(clock, 1e-3, sigma=1.0, seed=3), clock, warmup=0, repeat=10, max_time_s=5.0)
-    assert stats["stopped_by"] == "max_time" and stats["n"] > 2000
+    assert stats.stopped_by == "max_time" and stats.n > 2000
     assert len(checks) < 250
-    assert checks[-1] == stats["n"]  # the last sample is always checked before giving up
+    assert checks[-1] == stats.n  # the last sample is always checked before giving up
 
 
 @pytest.mark.parametrize(("n", "ranks"), [(5, None), (6, (1, 6)), (10, (2, 9)), (20, (6, 15)), (100, (40, 61))])
@@ -197,8 +197,8 @@ def test_cuda_measure_flushes_before_every_call_and_times_none_of_them():
     timer = CudaTimer(torch_module=fake_torch(log, gpu, l2_bytes=50 * 2**20), clock=gpu)
     kernel = SyntheticKernel(gpu, 1e-3, sigma=0.0)
     stats = measure(kernel, TimingPolicy(warmup=3, repeat=10, max_time_s=1.0), timer)
-    assert stats["samples"] == pytest.approx([1e-3] * stats["n"])
-    assert sum(k == "flush" for k, _ in log) == kernel.calls == 3 + stats["n"]
+    assert stats.samples == pytest.approx([1e-3] * stats.n)
+    assert sum(k == "flush" for k, _ in log) == kernel.calls == 3 + stats.n
 
 
 def test_cuda_timer_falls_back_to_a_safe_l2_size():
@@ -210,8 +210,8 @@ def test_real_cpu_timer_measures_at_least_the_sleep():
     import time
 
     stats = measure(lambda: time.sleep(0.002), TimingPolicy(warmup=1, repeat=6, max_time_s=0.05), CpuTimer())
-    assert stats["min"] >= 0.002  # a lower bound only: the machine may be loaded
-    assert stats["n"] >= 6
+    assert stats.min >= 0.002  # a lower bound only: the machine may be loaded
+    assert stats.n >= 6
 
 
 # --- bench.measure.pair: setup_s holds prepare + first call, time_s never does -------------------------------

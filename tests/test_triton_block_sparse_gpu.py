@@ -1,7 +1,7 @@
 """triton_block_sparse on a CUDA GPU: the compiled kernels against the float64 oracle at realistic sizes in
 bfloat16 and float16, every candidate tile configuration, grouped-query heads with fewer query rows than keys
-(decode, chunked prefill) and packed documents, and autotuning. Skipped without a GPU (they cannot run
-elsewhere); scripts/gpu_check.sh runs them with `pytest -m gpu`. No timing is asserted.
+(decode, chunked prefill) and packed documents, autotuning, and the split-key decode path. Skipped without a
+GPU (they cannot run elsewhere); scripts/gpu_check.sh runs them with `pytest -m gpu`. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -142,3 +142,23 @@ def test_autotuning_picks_the_fastest_valid_configuration(monkeypatch):
     assert compare(out, reference_attention(q.detach(), k.detach(), v.detach(), pattern), tol).passed
     out.backward(grad_out)
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize(("pattern_name", "q_len", "heads", "kv_heads"), [
+    ("causal", 1, 32, 8),  # Llama-3-8B's decode: 4 query heads packed per KV head
+    ("sink", 16, 8, 1),  # a chunk of 16 rows of MQA: 128 packed rows, bitmask-free formula
+])
+def test_compiled_decode_splits_the_keys_and_matches_the_oracle(pattern_name, q_len, heads, kv_heads):
+    n = 65536
+    fields = dict(window=4096, global_tokens=4) if pattern_name == "sink" else {}
+    case = Case(batch=2, heads=heads, kv_heads=kv_heads, head_dim=128, seq_len=n, q_len=q_len,
+                pattern=pattern_name, dtype="bfloat16", device="cuda", **fields)
+    pattern = case.make_pattern()
+    q, k, v, _ = inputs(n, torch.bfloat16, 128, heads=heads, kv_heads=kv_heads, q_len=q_len)
+    q, k, v = (t.expand(2, *t.shape[1:]).contiguous() for t in (q, k, v))
+    impl = get("triton_block_sparse")
+    out = impl.prepare(case, pattern, q, k, v)()
+    extras = impl.record_extras()
+    assert extras["path"] == "decode (split keys)" and extras["splits"] > 1, extras
+    assert any(isinstance(ms, float) for ms in extras["autotune_ms"]["decode"].values()), extras
+    assert compare(out, reference_attention(q, k, v, pattern), tolerance_for("bfloat16")).passed

@@ -1,4 +1,4 @@
-"""`bench ab BASE NEW SUITE`: the verdicts of an interleaved A/B run (measured by bench.run.ab).
+"""`bench ab BASE NEW SUITE`: the verdicts of an interleaved A/B run (measured by bench.run.ab.command).
 
 For every (case, impl) both sides ran:
 
@@ -36,10 +36,10 @@ from bench.analysis.ab_sequential import (
 )
 from bench.analysis.compare import Change, figure_changes
 from bench.analysis.stats import busy_side, refuse_busy, seed_for
+from bench.console.format import format_duration
 from bench.errors import BadInput
-from bench.format import format_duration
 from bench.results.records import Record
-from bench.run.ab import (
+from bench.run.ab.command import (
     DISTRIBUTED,
     ENDED,
     INTERLEAVED,
@@ -50,7 +50,7 @@ from bench.run.ab import (
     SideRun,
     measure_ab,
 )
-from bench.run.ab_side import planned_looks
+from bench.run.ab.side import planned_looks
 
 DEFAULT_THRESHOLD_PCT = 5.0  # with the interval past it, a 10% slowdown is caught at this machine's noise
 DEFAULT_ALPHA = 0.05
@@ -162,7 +162,7 @@ def _side_json(side: SideRun) -> dict[str, Any]:
     co = side.checkout
     return {"spec": co.spec, "commit": co.commit, "path": None if co.worktree else str(co.path),
             "worktree": co.worktree, "run_id": side.run_id, "run_dir": str(side.run_dir), "suite": side.suite_name,
-            "fingerprint": side.env.get("fingerprint"), "dirty": (side.env.get("git") or {}).get("dirty")}
+            "fingerprint": side.env.fingerprint, "dirty": side.env.git.dirty}
 
 
 def _pair_json(p: ABPair) -> dict[str, Any]:
@@ -303,12 +303,12 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
         notes.append(f"with at most {looks[-1]} rounds and {n_tested} pairs, a change in one pair alone cannot reach "
                      f"q < {alpha:g} (smallest sequential p {smallest_sequential_p(looks, alpha):.2g}); only changes "
                      f"shared by several pairs can be found. Use --max-rounds {need} or more to catch a single pair")
-    fingerprints = {m.base.env.get("fingerprint"), m.new.env.get("fingerprint")}
+    fingerprints = {m.base.env.fingerprint, m.new.env.fingerprint}
     if len(fingerprints) > 1:
         notes.append("the two checkouts describe this machine differently (environment fingerprints "
-                     f"{m.base.env.get('fingerprint')} and {m.new.env.get('fingerprint')}): their code captures "
+                     f"{m.base.env.fingerprint} and {m.new.env.fingerprint}): their code captures "
                      "the environment differently; both ran here at the same time, so times are compared")
-    dirty = [name for name, side in (("BASE", m.base), ("NEW", m.new)) if (side.env.get("git") or {}).get("dirty")]
+    dirty = [name for name, side in (("BASE", m.base), ("NEW", m.new)) if side.env.git.dirty]
     if dirty:
         notes.append(f"{' and '.join(dirty)} {'is a working tree' if len(dirty) == 1 else 'are working trees'} with "
                      "uncommitted changes: the commit id in the run does not describe the code measured")
@@ -330,7 +330,7 @@ def _pct(fraction: float | None) -> str:
 
 def run_ab(options: ABOptions, console: Console, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
            alpha: float = DEFAULT_ALPHA, describe: Callable[[PairMeasurement], str] | None = None) -> ABResult:
-    """Measure (bench.run.ab) and compare."""
+    """Measure (bench.run.ab.command) and compare."""
     check_levels(threshold_pct, alpha)  # before minutes of measuring
     threshold = threshold_pct / 100
 

@@ -21,13 +21,13 @@ from rich.markup import escape
 
 from bench.analysis import ab_stats as st
 from bench.analysis.ab import ABPair, ABResult
-from bench.format import format_duration, format_p, format_seconds
+from bench.console.format import format_duration, format_p, format_seconds
 
 MAX_WIDTH = 100
 INDENT = "    "
 VERDICT_STYLE = {st.SLOWER: "bold red", st.FASTER: "bold green", st.SAME: "dim", st.NOISY: "yellow",
                  st.AMBIGUOUS: "yellow"}
-KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow"}
+KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow", "worse": "red", "better": "green"}
 
 
 # --- pieces --------------------------------------------------------------------------------------------------

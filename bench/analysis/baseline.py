@@ -29,9 +29,9 @@ from rich.console import Console
 
 from bench.analysis.compare import compare_specs
 from bench.analysis.report import print_comparison
+from bench.console.terminal import make_console
 from bench.errors import BadInput
 from bench.results.store import RUN_JSON, load_run
-from bench.terminal import make_console
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: bench/analysis/ -> /
 HEADER = """\

@@ -84,7 +84,8 @@ def make_side(label: str, runs: list[Run], what: str) -> Side:
 
 @dataclass(frozen=True)
 class Change:
-    """A deterministic figure that differs. `kind`: regression | improvement | change."""
+    """A deterministic figure that differs. `kind`: regression | improvement | change, or worse | better for a
+    ratio to the same-dtype reference (said in the report, not failing the job)."""
 
     figure: str
     base: Any
@@ -205,9 +206,11 @@ def figures(record: Record) -> dict[str, Any]:
     if record.error is not None:
         e = record.error
         out.update({"error.rel_l2": e.rel_l2, "error.max_abs": e.max_abs, "error.tolerance": e.tolerance,
-                    "error.rows_checked": e.rows_checked, "error.nonfinite": e.nonfinite})
+                    "error.rows_checked": e.rows_checked, "error.nonfinite": e.nonfinite,
+                    "error.numerics": e.numerics, "error.ratio": e.ratio, "error.lse_ratio": e.lse_ratio})
         for name, g in (e.grads or {}).items():
-            out.update({f"error.grads.{name}.rel_l2": g.rel_l2, f"error.grads.{name}.nonfinite": g.nonfinite})
+            out.update({f"error.grads.{name}.rel_l2": g.rel_l2, f"error.grads.{name}.nonfinite": g.nonfinite,
+                        f"error.grads.{name}.ratio": g.ratio})
     if record.comm is not None:
         c = record.comm
         out.update({"comm.backend": c.backend, "comm.bytes_total": c.bytes_total,
@@ -245,8 +248,27 @@ def figure_changes(base: list[Record], new: list[Record]) -> list[Change]:
         kind = "change"
         if _is_bytes(name) and isinstance(b_fig[name], int) and isinstance(n_fig[name], int):
             kind = "regression" if n_fig[name] > b_fig[name] else "improvement"
+        elif name == "error.numerics":  # worse than the same-dtype reference, or back within it
+            kind = "regression" if n_fig[name] == "worse_than_reference" else "improvement"
+        elif _is_ratio(name):
+            kind = _ratio_change(float(b_fig[name]), float(n_fig[name]))
         changes.append(Change(name, b_fig[name], n_fig[name], kind))
     return changes
+
+
+RATIO_WORSE = 1.25  # a ratio to the same-dtype reference growing by a quarter is a kernel rounding worse
+
+
+def _is_ratio(figure: str) -> bool:
+    return figure.startswith("error.") and figure.endswith("ratio")
+
+
+def _ratio_change(base: float, new: float) -> str:
+    """`worse` when the error against the same-dtype reference grew by RATIO_WORSE (said, not failing the job:
+    the verdict's flip past 2 is the regression), `better` when it shrank as much, else a change."""
+    if new > base * RATIO_WORSE:
+        return "worse"
+    return "better" if new * RATIO_WORSE < base else "change"
 
 
 def _representative(records: list[Record]) -> Record:

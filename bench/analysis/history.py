@@ -31,8 +31,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from bench.analysis.steps import Segment, fit_levels, significant_steps
+from bench.console.format import format_seconds
 from bench.errors import BadInput
-from bench.format import format_seconds
 from bench.measure.timing import median_ci95
 from bench.results.index import load_index, run_commit, run_fingerprint
 from bench.results.store import Run

@@ -28,8 +28,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.console.format import format_gib, format_seconds
 from bench.errors import BadInput
-from bench.format import format_gib, format_seconds
 from bench.measure import flops as flop_counts
 from bench.measure.env import git_info, versions
 from bench.measure.hardware import HardwareSpec, resolve
@@ -121,10 +121,10 @@ def model_command(suite_path: Path, gpu: str, out: Path, console: Console) -> in
     suite = load_suite(suite_path)
     git = git_info()
     # Where the model was computed, not what it models: that is `modelled_hardware`.
-    env = {"backend": "model", "modelled_hardware": spec.to_json(), "git": git, "fingerprint": f"model-{spec.key}",
-           "host": {"hostname": socket.gethostname(), "os": platform.platform()}, "cpu": {}, "gpus": [],
-           "versions": versions()}
-    run_id, run_dir = create_run_dir(out, f"model-{spec.key}-{suite.name}"[:100], git["commit"] or "nogit")
+    env = {"backend": "model", "modelled_hardware": spec.to_json(), "git": git.model_dump(),
+           "fingerprint": f"model-{spec.key}", "host": {"hostname": socket.gethostname(), "os": platform.platform()},
+           "cpu": {}, "gpus": [], "versions": versions().model_dump(by_alias=True)}
+    run_id, run_dir = create_run_dir(out, f"model-{spec.key}-{suite.name}"[:100], git.commit or "nogit")
     info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=str(suite_path), content=suite.content),
                    started_at=utc_now(), env=env, source="modelled", command=sys.argv[1:] or None)
     write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json"))

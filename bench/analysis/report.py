@@ -13,11 +13,11 @@ from rich.text import Text
 
 from bench.analysis import stats as cs
 from bench.analysis.compare import Comparison, PairResult, iter_changes
-from bench.format import format_p, format_seconds
+from bench.console.format import format_p, format_seconds
 
 VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow",
                  cs.NOISY: "yellow"}
-KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow"}
+KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow", "worse": "red", "better": "green"}
 
 
 def _ratio(x: float) -> str:

@@ -26,8 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.inputs import InputsSpec
-from bench.results.index import run_commit, run_fingerprint
-from bench.results.records import Record
+from bench.results.index import record_device, run_commit, run_fingerprint
+from bench.results.records import (
+    AttentionStats,
+    ErrorInfo,
+    FidelityInfo,
+    QualityInfo,
+    RankComm,
+    Record,
+    SelectionInfo,
+    TrainingInfo,
+)
 from bench.results.store import Run
 from bench.spec.case import LATER_FIELDS
 
@@ -85,7 +94,7 @@ class Row:
     comm_by_level: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # level -> (bytes, closed form)
     comm_imbalance: float | None = None  # max / mean of the ranks' useful FLOPs
     comm_overlap: float | None = None  # measured overlap fraction (hidden / communication time)
-    comm_per_rank: tuple[dict[str, Any], ...] = ()  # {rank, bytes, flops, comm_s, hidden_s, compute_s}
+    comm_per_rank: tuple[RankComm, ...] = ()  # {rank, bytes, flops, comm_s, hidden_s, compute_s}
     comm_by_link: tuple[int, int] | None = None  # (intra_node, inter_node) bytes, counted
     comm_expected_by_link: tuple[int, int] | None = None  # the same split of the closed form
     comm_ranks_per_node: tuple[int, ...] = ()  # per node
@@ -103,9 +112,12 @@ class Row:
     peak_bandwidth: float | None = None  # bytes/s: the memory roof
     peak_bandwidth_source: str | None = None
     peak_bound: str | None = None  # memory | compute: which roof binds
-    attention_stats: dict[str, Any] | None = None  # bench.measure.attention_stats of the case's inputs
-    selection: dict[str, Any] | None = None  # a selection case's selector, units and three times
-    fidelity: dict[str, Any] | None = None  # a selection case's closeness to dense attention
+    attention_stats: AttentionStats | None = None  # bench.measure.attention_stats of the case's inputs
+    selection: SelectionInfo | None = None  # a selection case's selector, units and three times
+    fidelity: FidelityInfo | None = None  # a selection case's closeness to dense attention
+    error: ErrorInfo | None = None  # the whole check: ratios to the same-dtype reference, gradients
+    quality: QualityInfo | None = None  # a model case: the model's quality with this attention
+    training: TrainingInfo | None = None  # a model case with train: both loss curves
 
     @property
     def modelled(self) -> bool:
@@ -168,14 +180,6 @@ def workload(params: dict[str, Any]) -> str:
     return shape
 
 
-def _device_of(record: Record, run: Run) -> str:
-    if record.device:
-        return record.device
-    requested = record.params.get("device")
-    backend = run.info.env.backend
-    return str(requested if requested not in (None, "auto") else backend or "unknown device")
-
-
 def row_from_record(run: Run, record: Record) -> Row:
     info = run.info
 
@@ -189,7 +193,7 @@ def row_from_record(run: Run, record: Record) -> Row:
         dirty=bool(info.env.git.dirty), fingerprint=run_fingerprint(run),
         backend="model" if modelled else str(info.env.backend or "?"),
         case_id=record.case_id, impl=record.impl, params=dict(record.params), status=record.status,
-        reason=record.reason, source="modelled" if modelled else "measured", device=_device_of(record, run),
+        reason=record.reason, source="modelled" if modelled else "measured", device=record_device(record, run),
         interpreter=record.interpreter,
         busy=record.contention.reason if record.busy and record.contention else None,
         median_s=time_s.median if time_s is not None else None, ci95_s=ci, samples=time_s.n if time_s else 0,
@@ -202,7 +206,7 @@ def row_from_record(run: Run, record: Record) -> Row:
         comm_by_level={name: (lv.bytes_total, lv.expected_bytes) for name, lv in (comm.by_level or {}).items()}
         if comm else {},
         comm_imbalance=comm.imbalance if comm else None, comm_overlap=comm.overlap_fraction if comm else None,
-        comm_per_rank=tuple(r.model_dump() for r in comm.per_rank or ()) if comm else (),
+        comm_per_rank=tuple(comm.per_rank or ()) if comm else (),
         comm_by_link=(comm.by_link.intra_node, comm.by_link.inter_node) if comm and comm.by_link else None,
         comm_expected_by_link=(comm.expected_bytes_by_link.intra_node, comm.expected_bytes_by_link.inter_node)
         if comm and comm.expected_bytes_by_link else None,
@@ -214,9 +218,8 @@ def row_from_record(run: Run, record: Record) -> Row:
         peak_source=peak.source if peak else None, peak_hardware=peak.hardware if peak else None,
         bytes_moved=record.bytes, peak_bandwidth=peak.bandwidth if peak else None,
         peak_bandwidth_source=peak.bandwidth_source if peak else None, peak_bound=peak.bound if peak else None,
-        attention_stats=record.attention_stats.model_dump() if record.attention_stats else None,
-        selection=record.selection.model_dump() if record.selection else None,
-        fidelity=record.fidelity.model_dump() if record.fidelity else None,
+        attention_stats=record.attention_stats, selection=record.selection, fidelity=record.fidelity,
+        error=record.error, quality=record.quality, training=record.training,
     )
 
 
@@ -282,12 +285,18 @@ def format_documents(value: Any) -> str:
 def format_param(key: str, value: Any) -> str:
     if key == "inputs" and isinstance(value, dict):
         return InputsSpec.parse(value).label()  # `structured*`, `capL12`: a short name, not the mapping
+    if key == "task" and isinstance(value, dict):
+        return next((k for k in value if k != "sha256"), "task")  # text or tokens: the file is in the hover
+    if key == "train" and isinstance(value, dict):
+        return f"{value.get('steps')} steps"
     return format_documents(value) if key == "documents" else format_value(value)
 
 
 def params_label(row: Row, keys: Sequence[str]) -> str:
-    """`w=16, N=256` for the given keys ('' for none). Not escaped: callers escape for their medium."""
-    return ", ".join(f"{SHORT_NAMES.get(k, k)}={format_param(k, row.param(k))}" for k in keys)
+    """`w=16, N=256` for the given keys ('' for none); fields the row leaves unset (None: a dense peer's budget,
+    a static pattern's selector) are left out rather than written `budget=None`. Not escaped: callers escape."""
+    return ", ".join(f"{SHORT_NAMES.get(k, k)}={format_param(k, row.param(k))}" for k in keys
+                     if row.param(k) is not None)
 
 
 def x_value(row: Row, key: str) -> int | None:

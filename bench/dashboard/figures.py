@@ -22,6 +22,11 @@ MODEL_NOTE = "model: computed from a hardware model, not measured"
 INTERPRETER_NOTE = "Triton interpreter: a CPU emulation of the kernel, its time is not kernel speed"
 
 
+# Plotly's own JSON (a figure, a trace, a layout or an axis): its schema is Plotly's (plotly.com/python/reference),
+# checked by the browser tests that render every page, not modelled again here.
+PlotlyJson = dict[str, Any]
+
+
 @dataclass
 class Figure:
     """One figure of a page: its plotly dict plus the caption the HTML shows above it (plain text)."""
@@ -30,7 +35,7 @@ class Figure:
     # correctness, history
     title: str
     provenance: str
-    plotly: dict[str, Any]
+    plotly: PlotlyJson
     notes: list[str] = field(default_factory=list)
     id: str = ""  # set when its page is rendered: the key of its data in the page's JSON
 
@@ -99,7 +104,7 @@ def label_variants(keys: Iterable[SeriesKey]) -> dict[str, int]:
     return {label: i for i, label in enumerate(dict.fromkeys(k.label for k in keys))}
 
 
-def trace_style(key: SeriesKey, colour: str, variant: int = 0) -> dict[str, Any]:
+def trace_style(key: SeriesKey, colour: str, variant: int = 0) -> PlotlyJson:
     """Colour: the implementation; marker symbol: the other parameters (`variant`); line: the provenance.
 
     Measured: solid line, filled markers. Model: dashed line, open markers. Triton interpreter: dotted line.
@@ -109,21 +114,21 @@ def trace_style(key: SeriesKey, colour: str, variant: int = 0) -> dict[str, Any]
     return {"line": {"color": colour, "dash": dash}, "marker": {"color": colour, "symbol": symbol, "size": 7}}
 
 
-def figure_title(title: str, prov: Provenance) -> dict[str, Any]:
+def figure_title(title: str, prov: Provenance) -> PlotlyJson:
     """A plotly title: the view's name (ours, or escaped) and the escaped provenance line below it."""
     prefix = "MODEL - " if prov.sources == ("modelled",) else ""
     return {"text": f"{plot_text(prefix + title)}<br><sup>{plot_text(prov.text())}</sup>", "x": 0.01,
             "xanchor": "left", "font": {"size": 15}}
 
 
-def base_layout(title: str, prov: Provenance, *, height: int = 430) -> dict[str, Any]:
+def base_layout(title: str, prov: Provenance, *, height: int = 430) -> PlotlyJson:
     return {"title": figure_title(title, prov), "height": height, "margin": {"t": 80, "l": 70, "r": 20, "b": 60},
             "hovermode": "closest", "plot_bgcolor": "#ffffff", "paper_bgcolor": "#ffffff",
             "legend": {"font": {"size": 11}}, "font": {"family": "system-ui, sans-serif", "size": 12}}
 
 
-def axis(title: str, *, log: bool = False, **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"title": {"text": title}, "gridcolor": "#e8e8e8", "zerolinecolor": "#cccccc",
+def axis(title: str, *, log: bool = False, **extra: Any) -> PlotlyJson:
+    out: PlotlyJson = {"title": {"text": title}, "gridcolor": "#e8e8e8", "zerolinecolor": "#cccccc",
                            "type": "log" if log else "linear"}
     out.update(extra)
     return out

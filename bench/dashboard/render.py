@@ -166,7 +166,7 @@ def build_dashboard(runs: Sequence[Run], out: Path) -> DashboardResult:
         suite_runs = [r for r in runs if r.info.suite.name == suite]
         suite_rows = [r for r in rows if r.suite == suite]
         history, commits = history_series(suite_runs, suite_rows, suite)
-        pages.append(build_suite_page(suite, suite_runs, suite_rows, history, commits, colours))
+        pages.append(build_suite_page(suite, suite_runs, suite_rows, history, commits, colours, rows))
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,11 @@ from bench.dashboard.views_history import HistorySeries, history_figure
 from bench.dashboard.views_inputs import inputs_figure
 from bench.dashboard.views_links import links_figure
 from bench.dashboard.views_memory import memory_figure, peak_figure
+from bench.dashboard.views_quality import front_figure, significance_table
 from bench.dashboard.views_roofline import decode_figure, roofline_figure
-from bench.dashboard.views_selection import selection_share_figure, time_recall_figure
+from bench.dashboard.views_selection import selection_share_figure, time_recall_figures
 from bench.dashboard.views_time import speedup_figure, time_figure
+from bench.dashboard.views_training import training_figure
 from bench.results.records import STATUSES
 from bench.results.store import Run
 
@@ -78,6 +80,7 @@ class SuitePage:
     description: str | None
     runs: list[Run]
     sections: list[Section]
+    lead: list[Figure] = field(default_factory=list)  # figures above the facets: the speed-quality front
 
     def filter_values(self) -> dict[str, list[str]]:
         """The values each page control can take, in the order the sections show them."""
@@ -85,7 +88,7 @@ class SuitePage:
 
     @property
     def figures(self) -> list[Figure]:
-        return [f for s in self.sections for f in s.figures]
+        return [*self.lead, *(f for s in self.sections for f in s.figures)]
 
 
 MISSING = {
@@ -116,7 +119,7 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         ("decode", lambda: _one(decode_figure(rows, colours))),
         ("correctness", lambda: _one(correctness_figure(rows))),
         ("inputs", lambda: _one(inputs_figure(rows))),
-        ("selection", lambda: _one(time_recall_figure(rows, colours))),
+        ("selection", lambda: time_recall_figures(rows, colours)),
         ("selection_share", lambda: _one(selection_share_figure(rows, colours))),
         ("history", lambda: _one(history_figure(history, commits, colours))),
     ]
@@ -138,9 +141,45 @@ def _one(figure: Figure | None) -> list[Figure]:
     return [figure] if figure is not None else []
 
 
+def lead_figures(rows: Sequence[Row], store_rows: Sequence[Row], colours: Colours) -> list[Figure]:
+    """The speed-quality fronts (one per model, task, length and dtype), x also from the store's largest shape of
+    the same selectors where it has one; the budgets table; the training curves."""
+    scored = [r for r in rows if r.quality is not None]
+    groups: dict[tuple[str, str, int, str], list[Row]] = {}
+    for r in rows:
+        if r.params.get("model") is not None:
+            key = (str(r.params["model"]), str(r.params.get("task")), int(r.params["seq_len"]), str(r.params["dtype"]))
+            groups.setdefault(key, []).append(r)
+    figures: list[Figure] = []
+    for key in sorted(groups, key=lambda k: (k[0], k[1], -k[2], k[3])):  # the longest first
+        figures += _one(front_figure(groups[key], colours))
+        larger = larger_shape_rows(groups[key], store_rows)
+        if larger:
+            figures += _one(front_figure(groups[key], colours, larger[0], larger[1]))
+    figures += _one(significance_table(scored))
+    figures += _one(training_figure(rows))
+    return figures
+
+
+def larger_shape_rows(rows: Sequence[Row], store_rows: Sequence[Row]) -> tuple[list[Row], str] | None:
+    """The store's rows without a model at the largest seq_len above this group's, of one run holding the same
+    selectors (its name and shape for the caption); None where there are none."""
+    selectors = {r.selection.selector for r in rows if r.selection is not None}
+    n = max(int(r.params["seq_len"]) for r in rows)
+    candidates = [r for r in store_rows if r.params.get("model") is None and r.selection is not None
+                  and r.selection.selector in selectors and int(r.params.get("seq_len", 0)) > n]
+    if not candidates:
+        return None
+    best = max(candidates, key=lambda r: (int(r.params["seq_len"]), r.started_at))
+    run_rows = [r for r in store_rows if r.run_id == best.run_id and int(r.params["seq_len"]) == best.params["seq_len"]
+                and r.params.get("model") is None]
+    return run_rows, f"run {best.run_id}, N={best.params['seq_len']} {best.workload}"
+
+
 def build_suite_page(name: str, runs: Sequence[Run], rows: Sequence[Row], history: Sequence[HistorySeries],
-                     commits: Sequence[str], colours: Colours) -> SuitePage:
-    """`rows`: every row of this suite (all runs, oldest first); the sections show the current ones."""
+                     commits: Sequence[str], colours: Colours, store_rows: Sequence[Row] = ()) -> SuitePage:
+    """`rows`: every row of this suite (all runs, oldest first); the sections show the current ones; `store_rows`:
+    every row of the dashboard (a front may take its times from another suite's larger shape)."""
     latest_run = max(runs, key=lambda r: (r.info.started_at, r.info.run_id))
     description = latest_run.info.suite.content.get("description")
     sections = []
@@ -149,5 +188,7 @@ def build_suite_page(name: str, runs: Sequence[Run], rows: Sequence[Row], histor
         in_facet = [h for h in history if h.facet == key]
         section_figures(section, in_facet, commits, colours)
         sections.append(section)
+    sections.sort(key=lambda section: section.modelled_only)  # measurements first, models after (stable)
+    lead = lead_figures(current_rows(rows), current_rows(store_rows), colours)
     return SuitePage(name, suite_file_name(name), None if description is None else str(description), list(runs),
-                     sections)
+                     sections, lead)

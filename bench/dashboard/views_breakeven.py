@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
+from bench.console.format import format_seconds
 from bench.dashboard.data import BASELINES, Row, SeriesKey, pair_key, params_label, series_of, varying_keys
 from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import (
@@ -27,7 +28,6 @@ from bench.dashboard.figures import (
     provenance,
     trace_style,
 )
-from bench.format import format_seconds
 
 HOW = ("linear interpolation of t_impl / t_baseline in density between the two measured densities around "
        "the crossing of 1; bounds where it never crosses")

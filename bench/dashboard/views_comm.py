@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.console.format import format_bytes
 from bench.dashboard.data import Row, SeriesKey, series_of
 from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import (
@@ -18,7 +19,6 @@ from bench.dashboard.figures import (
     row_hover,
     trace_style,
 )
-from bench.format import format_bytes
 
 
 @dataclass(frozen=True)

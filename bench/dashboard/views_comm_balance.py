@@ -28,10 +28,9 @@ from bench.dashboard.views_comm import world_size
 def _ranks_text(row: Row) -> str:
     parts = []
     for r in row.comm_per_rank:
-        flops = r.get("flops")
-        comm_s, hidden_s = r.get("comm_s"), r.get("hidden_s")
+        flops, comm_s, hidden_s = r.flops, r.comm_s, r.hidden_s
         times = "" if comm_s is None else f", comm {comm_s * 1e3:.3g} ms (hidden {(hidden_s or 0) * 1e3:.3g})"
-        parts.append(f"rank {r['rank']}: {'?' if flops is None else f'{flops:.3g}'} FLOPs{times}")
+        parts.append(f"rank {r.rank}: {'?' if flops is None else f'{flops:.3g}'} FLOPs{times}")
     return "<br>".join(parts)
 
 

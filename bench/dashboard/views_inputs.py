@@ -34,7 +34,8 @@ def inputs_figure(rows: Sequence[Row]) -> Figure | None:
     keys = [k for k in varying_keys(cases) if k != "env"]
     traces = []
     for index, row in enumerate(cases):
-        stats = row.attention_stats or {}
+        assert row.attention_stats is not None
+        stats = row.attention_stats.model_dump()
         name = params_label(row, keys) or row.case_id
         means = [stats[key]["mean"] for key, _ in SHARES]
         entropy = stats["entropy"]

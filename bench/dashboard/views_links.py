@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from bench.console.format import format_bytes
 from bench.dashboard.data import Row, series_of
 from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import Colours, Figure, axis, base_layout, provenance, row_hover
-from bench.format import format_bytes
 
 
 def placement(row: Row) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.console.format import format_bytes
 from bench.dashboard.data import Row, SeriesKey, sort_key, x_key, x_series, x_value
 from bench.dashboard.escaping import plot_text
 from bench.dashboard.figures import (
@@ -20,7 +21,6 @@ from bench.dashboard.figures import (
     row_hover,
     trace_style,
 )
-from bench.format import format_bytes
 
 # Marker of each kind of unmeasured case on the strip: (symbol, colour).
 MARK_STYLE = {"skipped": ("x-thin-open", "#7f7f7f"), "out of memory": ("triangle-up", "#d62728"),

@@ -12,11 +12,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from bench.dashboard.data import Row
 from bench.dashboard.escaping import plot_text
-from bench.dashboard.figures import Colours, Figure, axis, base_layout, provenance, row_hover
+from bench.dashboard.figures import Colours, Figure, PlotlyJson, axis, base_layout, provenance, row_hover
 
 DECODE_ROWS = 16
 
@@ -38,7 +37,7 @@ def roofline_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
     points = _rooflined(rows)
     if len(points) < 2:
         return None
-    traces: list[dict[str, Any]] = []
+    traces: list[PlotlyJson] = []
     for impl in sorted({r.impl for r in points}):
         members = [r for r in points if r.impl == impl]
         traces.append({"type": "scatter", "mode": "markers", "name": plot_text(impl),
@@ -75,7 +74,7 @@ def decode_figure(rows: Sequence[Row], colours: Colours) -> Figure | None:
               and isinstance(r.params.get("q_len"), int) and r.params["q_len"] <= DECODE_ROWS]
     if len({r.params["seq_len"] for r in decode}) < 2:
         return None
-    traces: list[dict[str, Any]] = []
+    traces: list[PlotlyJson] = []
     for impl in sorted({r.impl for r in decode}):
         members = sorted((r for r in decode if r.impl == impl), key=lambda r: r.params["seq_len"])
         traces.append({"type": "scatter", "mode": "lines+markers", "name": plot_text(impl),

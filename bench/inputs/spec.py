@@ -9,6 +9,8 @@ Three kinds (docs/DESIGN.md "Inputs"):
 - a file of captured tensors: `{file: PATH, layer: L}`, a safetensors file in the layout of `bench.inputs.files`
   (written by `bench capture`). PATH is relative to the suite file; the suite resolves it and records the file's
   sha256, which a case's id digests in place of the path (the same file gives the same id on every machine).
+- a FlashInfer-Bench workload: `{kind: flashinfer, root: DIR, definition: NAME, workload: UUID}`, read by
+  `bench.inputs.flashinfer` (`bench import flashinfer-trace` writes such cases); DIR relative to the suite file.
 
 `InputsSpec` is the frozen, hashable form a `Case` holds; `to_param()` is the form records and suites write.
 """
@@ -20,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-InputsKind = Literal["random", "structured", "file"]
-INPUT_KINDS: tuple[str, ...] = ("random", "structured", "file")
+InputsKind = Literal["random", "structured", "file", "flashinfer"]
+INPUT_KINDS: tuple[str, ...] = ("random", "structured", "file", "flashinfer")
 
 
 class StructuredKnobs(BaseModel):
@@ -64,6 +66,15 @@ class FileInputsModel(BaseModel):
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")  # pins the file's content when given
 
 
+class FlashInferInputsModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["flashinfer"] = "flashinfer"
+    root: str = Field(min_length=1)  # the dataset's root directory
+    definition: str = Field(min_length=1)
+    workload: str = Field(min_length=1)  # the workload's uuid
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")  # pins the workload's tensor file(s)
+
+
 class InputsError(ValueError):
     """A bad `inputs` value: `field` is the path below `inputs` (`sinks`, `layer`), or None for the whole."""
 
@@ -78,9 +89,10 @@ class InputsSpec:
 
     kind: InputsKind = "random"
     knobs: tuple[tuple[str, Any], ...] = ()
-    file: str | None = None  # absolute once a suite resolved it
+    file: str | None = None  # absolute once a suite resolved it (flashinfer: the dataset's root)
     layer: int | None = None
     sha256: str | None = None  # the file's content, read when the suite was loaded
+    workload: tuple[str, str] | None = None  # flashinfer: (definition, workload uuid)
 
     @classmethod
     def parse(cls, value: Any) -> InputsSpec:
@@ -107,8 +119,12 @@ class InputsSpec:
         if kind == "file":
             model = _validated(FileInputsModel, value)
             return cls(kind="file", file=model.file, layer=model.layer, sha256=model.sha256)
+        if kind == "flashinfer":
+            fib = _validated(FlashInferInputsModel, value)
+            return cls(kind="flashinfer", file=fib.root, sha256=fib.sha256, workload=(fib.definition, fib.workload))
         raise InputsError(f"got kind {kind!r}; allowed kinds: {', '.join(INPUT_KINDS)} (a mapping with `file` "
-                          "is a file; `kind: structured` takes the generator's knobs: "
+                          "is a file; `kind: flashinfer` takes root, definition and workload; `kind: structured` "
+                          "takes the generator's knobs: "
                           f"{', '.join(KNOB_NAMES)})", field="kind")
 
     @property
@@ -120,6 +136,9 @@ class InputsSpec:
         """As a suite writes it (a record's params): `random`, `structured`, or a mapping."""
         if self.kind == "file":
             return {"file": self.file, "layer": self.layer, "sha256": self.sha256}
+        if self.kind == "flashinfer" and self.workload is not None:
+            return {"kind": "flashinfer", "root": self.file, "definition": self.workload[0],
+                    "workload": self.workload[1], "sha256": self.sha256}
         if self.knobs:
             return {"kind": self.kind, **dict(self.knobs)}
         return self.kind
@@ -128,6 +147,8 @@ class InputsSpec:
         """What a case id digests: the file by its content and layer, never by its path."""
         if self.kind == "file":
             return {"file_sha256": self.sha256, "layer": self.layer}
+        if self.kind == "flashinfer" and self.workload is not None:
+            return {"definition": self.workload[0], "workload": self.workload[1], "sha256": self.sha256}
         return self.to_param()
 
     def label(self) -> str:
@@ -136,6 +157,8 @@ class InputsSpec:
             return ""
         if self.kind == "structured":
             return "structured*" if self.knobs else "structured"
+        if self.kind == "flashinfer":
+            return "fib"
         return f"capL{self.layer}"
 
 
@@ -152,3 +175,16 @@ def _validated(model: type[BaseModel], value: dict[str, Any]) -> Any:
             raise InputsError("required key is missing", field=where) from None
         raise InputsError(f"got {err.get('input')!r}; {err['msg'].replace('Input should be', 'allowed:')}",
                           field=where) from None
+
+
+class InputsInfo(BaseModel):
+    """Where a case's q, k, v came from (bench.inputs): the kind, the seed, a captured file's path, content hash
+    and layer, and the structured generator's planted needles (how many)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: InputsKind
+    seed: int
+    file: str | None = None
+    file_sha256: str | None = None
+    layer: int | None = None
+    needles: int | None = None

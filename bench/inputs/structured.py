@@ -139,11 +139,44 @@ def plant_needles(seq_len: int, q_len: int, count: int, length: int, queries: in
     return needles
 
 
+def _head_vectors(heads: int, kv_heads: int, d: int, inv_freq: Tensor, fast: Tensor, content_dims: Tensor,
+                  needle_dirs: Tensor | None, kinds: list[str], knobs: StructuredKnobs, gen: torch.Generator
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per KV head its local vector (fast pairs), sink and heavy-hitter directions (slow pairs), each (Hkv, D);
+    and what every query row of head h adds (H, D), scaled by its KV head's kind. Drawn from `gen` in a fixed
+    order (the inputs of a seed never change)."""
+    amplitude = lambda logit: math.sqrt(logit * math.sqrt(d))  # noqa: E731 - q and k each carry this much
+    pairs = inv_freq.numel()
+    group = heads // kv_heads
+    local_vec = torch.zeros(kv_heads, d, dtype=torch.float64)
+    sink_dir = torch.zeros(kv_heads, d, dtype=torch.float64)
+    heavy_dir = torch.zeros(kv_heads, d, dtype=torch.float64)
+    energy = inv_freq[fast] ** knobs.locality if fast.numel() else None  # per fast pair, split at random inside
+    for g in range(kv_heads):
+        if energy is not None:
+            angle = torch.rand(fast.numel(), generator=gen, dtype=torch.float64) * 2 * math.pi
+            share = energy / energy.sum() * knobs.local_logit * math.sqrt(d)  # |mu|^2 = local_logit * sqrt(D)
+            local_vec[g, fast] = share.sqrt() * angle.cos()
+            local_vec[g, fast + pairs] = share.sqrt() * angle.sin()
+        dirs = _directions(2, content_dims, d, gen, against=needle_dirs)
+        sink_dir[g], heavy_dir[g] = dirs[0], dirs[1]
+    jitter = GROUP_JITTER[0] + (GROUP_JITTER[1] - GROUP_JITTER[0]) * torch.rand(heads, generator=gen,
+                                                                                dtype=torch.float64)
+    q_add = torch.zeros(heads, d, dtype=torch.float64)
+    for h in range(heads):
+        g = h // group
+        local_scale, heavy_scale = KIND_SCALES[kinds[g]]
+        q_add[h] = jitter[h] * (local_scale * local_vec[g]
+                                + amplitude(knobs.sink_logit) * sink_dir[g]
+                                + heavy_scale * amplitude(knobs.heavy_logit) * heavy_dir[g])
+    return local_vec, sink_dir, heavy_dir, q_add
+
+
 def structured_inputs(*, batch: int, heads: int, kv_heads: int, seq_len: int, q_len: int, head_dim: int,
                       block_size: int, seed: int, knobs: StructuredKnobs) -> StructuredInputs:
     """The structured q (B, H, q_len, D), k, v (B, Hkv, N, D), float32 on the CPU (module docstring)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + 2_718_281)
-    d, group = head_dim, heads // kv_heads
+    d = head_dim
     amplitude = lambda logit: math.sqrt(logit * math.sqrt(d))  # noqa: E731 - q and k each carry this much
     inv_freq = rope_frequencies(d, knobs.rope_theta)
     content = _content_pairs(inv_freq, seq_len)
@@ -159,31 +192,8 @@ def structured_inputs(*, batch: int, heads: int, kv_heads: int, seq_len: int, q_
     candidates = max(0, seq_len - knobs.sinks)
     heavy = (torch.randperm(candidates, generator=gen)[: min(heavy_count, candidates)] + knobs.sinks).sort().values
 
-    # Per KV head: its local vector (fast pairs), sink and heavy-hitter directions (slow pairs).
-    local_vec = torch.zeros(kv_heads, d, dtype=torch.float64)
-    sink_dir = torch.zeros(kv_heads, d, dtype=torch.float64)
-    heavy_dir = torch.zeros(kv_heads, d, dtype=torch.float64)
-    if fast.numel():
-        energy = inv_freq[fast] ** knobs.locality  # energy per fast pair; its split inside the pair is random
-    for g in range(kv_heads):
-        if fast.numel():
-            angle = torch.rand(fast.numel(), generator=gen, dtype=torch.float64) * 2 * math.pi
-            share = energy / energy.sum() * knobs.local_logit * math.sqrt(d)  # |mu|^2 = local_logit * sqrt(D)
-            local_vec[g, fast] = share.sqrt() * angle.cos()
-            local_vec[g, fast + pairs] = share.sqrt() * angle.sin()
-        dirs = _directions(2, content_dims, d, gen, against=needle_dirs if len(needles) else None)
-        sink_dir[g], heavy_dir[g] = dirs[0], dirs[1]
-    jitter = GROUP_JITTER[0] + (GROUP_JITTER[1] - GROUP_JITTER[0]) * torch.rand(heads, generator=gen,
-                                                                                dtype=torch.float64)
-
-    # What every query row of head h adds (scaled by the KV head's kind), and what the keys of KV head g add.
-    q_add = torch.zeros(heads, d, dtype=torch.float64)
-    for h in range(heads):
-        g = h // group
-        local_scale, heavy_scale = KIND_SCALES[kinds[g]]
-        q_add[h] = jitter[h] * (local_scale * local_vec[g]
-                                + amplitude(knobs.sink_logit) * sink_dir[g]
-                                + heavy_scale * amplitude(knobs.heavy_logit) * heavy_dir[g])
+    local_vec, sink_dir, heavy_dir, q_add = _head_vectors(heads, kv_heads, d, inv_freq, fast, content_dims,
+                                                          needle_dirs if len(needles) else None, kinds, knobs, gen)
 
     sigma = math.sqrt(knobs.noise)  # q.k/sqrt(D) of two N(0, sigma^2) vectors has std sigma^2
     q = torch.randn(batch, heads, q_len, d, generator=gen).mul_(sigma)

@@ -20,7 +20,8 @@ from typing import Any
 
 from bench.errors import BadInput
 from bench.measure.timing import Timer, TimingPolicy, measure, timer_for
-from bench.results.environment import Calibration
+from bench.results.environment import Bandwidth, Calibration, CalibrationTime, MatmulRate
+from bench.results.records import PeakInfo, TimeStats
 from bench.results.store import CALIBRATION_DIR
 
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")
@@ -43,12 +44,12 @@ QUICK = Settings(TimingPolicy(warmup=1, repeat=5, max_time_s=0.5), 0.05, {"cpu":
                  {"cpu": 2048, "cuda": 8192}, {"cpu": 64 * 2**20, "cuda": 512 * 2**20})
 
 
-def _brief(stats: dict[str, Any]) -> dict[str, Any]:
-    return {k: stats[k] for k in ("median", "rel_ci95", "n", "stopped_by")}
+def _brief(stats: TimeStats) -> CalibrationTime:
+    return CalibrationTime(median=stats.median, rel_ci95=stats.rel_ci95, n=stats.n, stopped_by=stats.stopped_by)
 
 
 def matmul_rate(device: str, dtype: str, settings: Settings, timer: Timer | None = None,
-                tf32: bool = False) -> dict[str, Any]:
+                tf32: bool = False) -> MatmulRate:
     """FLOP/s of a square (n, n) @ (n, n) matmul (2 n^3 FLOPs), n doubled from min_n until a call is long enough."""
     import torch
 
@@ -70,10 +71,10 @@ def matmul_rate(device: str, dtype: str, settings: Settings, timer: Timer | None
         stats = measure(call, settings.policy, timer)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous_tf32
-    return {"flops_per_s": 2.0 * n**3 / stats["median"], "n": n, "time_s": _brief(stats)}
+    return MatmulRate(flops_per_s=2.0 * n**3 / stats.median, n=n, time_s=_brief(stats))
 
 
-def copy_bandwidth(device: str, settings: Settings, timer: Timer | None = None) -> dict[str, Any]:
+def copy_bandwidth(device: str, settings: Settings, timer: Timer | None = None) -> Bandwidth:
     """Bytes/s of dst.copy_(src) over a buffer far larger than the caches, counting the read and the write."""
     import torch
 
@@ -82,11 +83,11 @@ def copy_bandwidth(device: str, settings: Settings, timer: Timer | None = None) 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     stats = measure(lambda: dst.copy_(src), settings.policy, timer)
-    return {"bytes_per_s": 2.0 * nbytes / stats["median"], "bytes": nbytes, "time_s": _brief(stats)}
+    return Bandwidth(bytes_per_s=2.0 * nbytes / stats.median, bytes=nbytes, time_s=_brief(stats))
 
 
 def read_bandwidth(device: str, settings: Settings, timer: Timer | None = None, threads: int | None = None
-                   ) -> dict[str, Any]:
+                   ) -> Bandwidth:
     """Bytes/s of a sum over a buffer far larger than the caches: the streaming read decode makes of a KV cache
     (each byte read once, nothing written). `threads`: torch's intra-op threads for it (None: as configured)."""
     import torch
@@ -101,12 +102,12 @@ def read_bandwidth(device: str, settings: Settings, timer: Timer | None = None, 
         stats = measure(lambda: src.sum(), settings.policy, timer)
     finally:
         torch.set_num_threads(previous)
-    return {"bytes_per_s": nbytes / stats["median"], "bytes": nbytes, "threads": threads or previous,
-            "time_s": _brief(stats)}
+    return Bandwidth(bytes_per_s=nbytes / stats.median, bytes=nbytes, threads=threads or previous,
+                     time_s=_brief(stats))
 
 
 def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings | None = None,
-              timer: Timer | None = None) -> dict[str, Any]:
+              timer: Timer | None = None) -> Calibration:
     """Matmul rate per dtype (and TF32 on CUDA when float32 is asked), copy bandwidth, and read bandwidth with all
     threads and with one (CPU) on `device`."""
     import torch
@@ -122,9 +123,9 @@ def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings |
     read = {"all_threads": read_bandwidth(device, settings, timer)}
     if not device.startswith("cuda"):
         read["one_thread"] = read_bandwidth(device, settings, timer, threads=1)
-    return {"device": device_description(device), "backend": device.split(":")[0], "measured_at": utc_now(),
-            "torch_threads": torch.get_num_threads(), "matmul": matmul,
-            "copy": copy_bandwidth(device, settings, timer), "read": read}
+    return Calibration(device=device_description(device), backend=device.split(":")[0], measured_at=utc_now(),
+                       torch_threads=torch.get_num_threads(), matmul=matmul,
+                       copy=copy_bandwidth(device, settings, timer), read=read)
 
 
 # --- storage -----------------------------------------------------------------------------------------------
@@ -134,29 +135,30 @@ def calibration_path(results: Path, fingerprint: str) -> Path:
     return Path(results) / CALIBRATION_DIR / f"{fingerprint}.json"
 
 
-def store(results: Path, fingerprint: str, calibration: dict[str, Any]) -> Path:
+def store(results: Path, fingerprint: str, calibration: Calibration) -> Path:
     from bench.results.store import write_json_atomic
 
     path = calibration_path(results, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {**calibration, "fingerprint": fingerprint})
+    stored = calibration.model_copy(update={"fingerprint": fingerprint})
+    write_json_atomic(path, stored.model_dump(mode="json", by_alias=True, exclude_none=True))
     return path
 
 
-def load(results: Path, fingerprint: str) -> dict[str, Any] | None:
+def load(results: Path, fingerprint: str) -> Calibration | None:
     """The stored calibration of this environment, or None. A damaged file is BadInput naming it."""
     path = calibration_path(results, fingerprint)
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        rates = {d: float(m["flops_per_s"]) for d, m in data["matmul"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise BadInput(f"not a calibration file ({type(exc).__name__}: {exc}); run `bench calibrate` again",
-                       file=str(path)) from None
-    if data.get("fingerprint") != fingerprint or not all(r > 0 for r in rates.values()):
+        data = Calibration.model_validate(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        first = str(exc).strip().splitlines()[:2]
+        raise BadInput(f"not a calibration file ({type(exc).__name__}: {' '.join(first)}); run `bench calibrate` "
+                       "again", file=str(path)) from None
+    if data.fingerprint != fingerprint or not data.matmul or not all(m.flops_per_s > 0 for m in data.matmul.values()):
         raise BadInput("fingerprint or rates do not match its name; run `bench calibrate` again", file=str(path))
-    return {**data, "source": str(path)}
+    return data.model_copy(update={"source": str(path)})
 
 
 # --- the peak a record is compared with ----------------------------------------------------------------------
@@ -165,7 +167,7 @@ def load(results: Path, fingerprint: str) -> dict[str, Any] | None:
 def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
              calibration: Calibration | None, gpu: tuple[str, int] | None = None,
              bytes_per_s: float | None = None, flops: float | None = None, bytes_moved: int | None = None
-             ) -> dict[str, Any] | None:
+             ) -> PeakInfo | None:
     """The record's `peak`: the compute roof (the calibrated matmul rate of the dtype, else a known GPU's
     datasheet) and the memory roof (the calibrated all-thread read bandwidth, else the GPU's datasheet memory
     bandwidth), the achieved fraction of each, and which roof binds (the larger of bytes / bandwidth and flops /
@@ -182,7 +184,7 @@ def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
 
         spec = match_gpu(*gpu)
     if key in rates:
-        peak = float(rates[key]["flops_per_s"])
+        peak = rates[key].flops_per_s
         out.update(peak_flops=peak, source="calibrated", hardware=f"{calibration.device if calibration else None} "
                                                                    f"{key} matmul")
     elif spec is not None:
@@ -199,7 +201,7 @@ def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
         out["bandwidth_fraction"] = bytes_per_s / out["bandwidth"]
     if out.get("bandwidth") and out.get("peak_flops") and flops is not None and bytes_moved is not None:
         out["bound"] = "memory" if bytes_moved / out["bandwidth"] >= flops / out["peak_flops"] else "compute"
-    return out or None
+    return PeakInfo(**out) if out else None
 
 
 def gpu_identity(device: str) -> tuple[str, int] | None:
@@ -221,22 +223,25 @@ def command(device: str, results: Path, quick: bool, dtypes: list[str], console:
     env = capture(backend=device)
     result = calibrate(device, dtypes, QUICK if quick else Settings())
     path = store(results, env.fingerprint or "", result)
-    table = Table(title=f"calibration of {result['device']} ({result['torch_threads']} torch threads)")
+    table = Table(title=f"calibration of {result.device} ({result.torch_threads} torch threads)")
     for column in ("what", "size", "rate", "median time", "95% CI half-width"):
         table.add_column(column, justify="left" if column == "what" else "right")
-    for name, m in result["matmul"].items():
-        rel = m["time_s"]["rel_ci95"]
-        table.add_row(f"{name} matmul", f"n = {m['n']}", f"{m['flops_per_s'] / 1e9:.4g} GFLOP/s",
-                      f"{m['time_s']['median'] * 1e3:.4g} ms", f"{rel:.2%}" if rel is not None else "-")
-    c = result["copy"]
-    rel = c["time_s"]["rel_ci95"]
-    table.add_row("copy (read + write counted)", f"{c['bytes'] / 2**20:g} MiB", f"{c['bytes_per_s'] / 1e9:.4g} GB/s",
-                  f"{c['time_s']['median'] * 1e3:.4g} ms", f"{rel:.2%}" if rel is not None else "-")
-    for name, r in result["read"].items():
-        rel = r["time_s"]["rel_ci95"]
-        table.add_row(f"read, {r['threads']} thread(s) ({name.replace('_', ' ')})", f"{r['bytes'] / 2**20:g} MiB",
-                      f"{r['bytes_per_s'] / 1e9:.4g} GB/s", f"{r['time_s']['median'] * 1e3:.4g} ms",
-                      f"{rel:.2%}" if rel is not None else "-")
+
+    def median(time_s: CalibrationTime | None) -> str:
+        return f"{time_s.median * 1e3:.4g} ms" if time_s is not None else "-"
+
+    def ci(time_s: CalibrationTime | None) -> str:
+        return f"{time_s.rel_ci95:.2%}" if time_s is not None and time_s.rel_ci95 is not None else "-"
+
+    for name, m in result.matmul.items():
+        table.add_row(f"{name} matmul", f"n = {m.n}", f"{m.flops_per_s / 1e9:.4g} GFLOP/s", median(m.time_s),
+                      ci(m.time_s))
+    reads = [("copy (read + write counted)", result.copy_)] + [
+        (f"read, {r.threads} thread(s) ({name.replace('_', ' ')})", r) for name, r in (result.read or {}).items()]
+    for what, bw in reads:
+        assert bw is not None
+        table.add_row(what, f"{(bw.bytes or 0) / 2**20:g} MiB", f"{bw.bytes_per_s / 1e9:.4g} GB/s",
+                      median(bw.time_s), ci(bw.time_s))
     console.print(table)
     console.print(f"stored: {path} (environment fingerprint {env.fingerprint}); runs into {results} with this "
                   "fingerprint compare their FLOP rates and their bytes moved (the all-thread read) with it")

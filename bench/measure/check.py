@@ -4,15 +4,33 @@ on the rows the oracle checks; in one process (`check_against_oracle`) or on ran
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from bench import registry
+from bench.measure.numerics import ReferenceErrors, ratio, reference_errors, verdict
 from bench.measure.reference import compare, reference_attention, rows_to_check, tolerance_for
 from bench.patterns import Pattern
+from bench.results.records import ErrorInfo, GradError
 from bench.spec.case import Case
+
+Grads = tuple[Tensor, Tensor, Tensor]  # dq, dk, dv
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+@dataclass
+class OracleResults:
+    """The float64 oracle's answers on the checked rows: computed for a case's first implementation, compared with
+    by the rest (bench.measure.case_cache keeps them)."""
+
+    out: Tensor | None = None  # (B, H, rows, D) under the case's pattern
+    grads: Grads | None = None  # of the checked rows' upstream gradient
+    selected_out: tuple[Tensor, Tensor] | None = None  # (output, lse) under a selection's effective mask
+    selected_grads: Grads | None = None
+    reference: ReferenceErrors | None = None  # the same-dtype reference's errors (bench.measure.numerics)
+    selected_reference: ReferenceErrors | None = None
 
 
 def _problem(what: str, rel_l2: float | None, tol: float, nonfinite: int) -> str:
@@ -32,47 +50,81 @@ def rows_only(case: Case, grad_out: Tensor, rows: Tensor) -> Tensor:
     return grad_out * row_mask[:, None].to(grad_out.dtype)
 
 
-def nonfinite_only(out: Tensor, tol: float) -> tuple[dict[str, Any], str | None]:
+def nonfinite_only(out: Tensor, tol: float) -> tuple[ErrorInfo, str | None]:
     """With `check: false`: only NaN and Inf are looked for."""
     nonfinite = int((~torch.isfinite(out.detach())).sum())
-    error = {"max_abs": None, "rel_l2": None, "tolerance": tol, "rows_checked": 0, "nonfinite": nonfinite}
+    error = ErrorInfo(max_abs=None, rel_l2=None, tolerance=tol, rows_checked=0, nonfinite=nonfinite)
     return error, (f"output has {nonfinite} NaN/Inf values" if nonfinite else None)
+
+
+def grad_errors(grads: tuple[Tensor | None, ...], expected: Grads, tol: float, what: str = "the float64 oracle",
+                reference: ReferenceErrors | None = None, dtype: str = "float32"
+                ) -> tuple[dict[str, GradError], str | None]:
+    """Each of dq, dk, dv against the oracle's (a missing gradient counts as zeros), beside the same-dtype
+    reference's error where known; the first problem."""
+    errors: dict[str, GradError] = {}
+    problem = None
+    refs = reference.grads if reference is not None and reference.grads is not None else (None, None, None)
+    for name, actual, exp, ref in zip(GRAD_NAMES, grads, expected, refs, strict=True):
+        s = compare(torch.zeros_like(exp) if actual is None else actual, exp, tol)
+        errors[name] = GradError(max_abs=s.max_abs, rel_l2=s.rel_l2, tolerance=tol, nonfinite=s.nonfinite,
+                                 reference_rel_l2=ref, ratio=ratio(s.rel_l2, ref, dtype))
+        if problem is None and not s.passed:
+            problem = _problem(name, s.rel_l2, tol, s.nonfinite).replace("the float64 oracle", what)
+    return errors, problem
 
 
 def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor, out: Tensor, tol: float,
                   grads: tuple[Tensor | None, ...] | None = None, g: Tensor | None = None,
-                  oracle: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+                  oracle: OracleResults | None = None) -> tuple[ErrorInfo, str | None]:
     """(error, problem or None) of the full output `out` (and of `grads` = dq, dk, dv for upstream gradient g on
     the checked rows) against the float64 oracle. `oracle` caches its results for the case's next impls."""
-    oracle = {} if oracle is None else oracle
+    oracle = OracleResults() if oracle is None else oracle
     rows = checked_rows(case)
-    if "out" not in oracle:
+    if oracle.out is None:
         with torch.no_grad():
-            oracle["out"] = reference_attention(q.detach(), k.detach(), v.detach(), pattern, rows,
-                                                score_mod=case.make_score_mod())
-    stats = compare(out.detach()[:, :, rows.to(out.device)], oracle["out"], tol)
-    error: dict[str, Any] = {"max_abs": stats.max_abs, "rel_l2": stats.rel_l2, "tolerance": tol,
-                             "rows_checked": stats.rows_checked, "nonfinite": stats.nonfinite}
+            oracle.out = reference_attention(q.detach(), k.detach(), v.detach(), pattern, rows,
+                                             score_mod=case.make_score_mod())
+    stats = compare(out.detach()[:, :, rows.to(out.device)], oracle.out, tol)
     problem = None if stats.passed else _problem("output", stats.rel_l2, tol, stats.nonfinite)
-    if grads is not None and g is not None:
-        if "grads" not in oracle:
-            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-            ref = reference_attention(q64, k64, v64, pattern, rows, score_mod=case.make_score_mod())
-            leaves = [q64, k64, v64]
-            oracle["grads"] = torch.autograd.grad(ref, leaves, g[:, :, rows.to(g.device)].double())
-        error["grads"] = {}
-        for name, actual, expected in zip(("dq", "dk", "dv"), grads, oracle["grads"], strict=True):
-            s = compare(torch.zeros_like(expected) if actual is None else actual, expected, tol)
-            error["grads"][name] = {"max_abs": s.max_abs, "rel_l2": s.rel_l2, "tolerance": tol,
-                                    "nonfinite": s.nonfinite}
-            if problem is None and not s.passed:
-                problem = _problem(name, s.rel_l2, tol, s.nonfinite)
+    grad_info = None
+    backward = grads is not None and g is not None
+    if backward and oracle.grads is None:
+        assert g is not None
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(q64, k64, v64, pattern, rows, score_mod=case.make_score_mod())
+        dq, dk, dv = torch.autograd.grad(ref, [q64, k64, v64], g[:, :, rows.to(g.device)].double())
+        oracle.grads = (dq, dk, dv)
+    if oracle.reference is None or (backward and oracle.reference.grads is None):
+        oracle.reference = reference_errors(q, k, v, pattern, rows, oracle.out, None, g if backward else None,
+                                            oracle.grads if backward else None, score_mod=case.make_score_mod())
+    if backward:
+        assert grads is not None and oracle.grads is not None
+        grad_info, grad_problem = grad_errors(grads, oracle.grads, tol, reference=oracle.reference,
+                                              dtype=case.dtype)
+        problem = problem or grad_problem
+    error = with_numerics(ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, tolerance=tol,
+                                    rows_checked=stats.rows_checked, nonfinite=stats.nonfinite, grads=grad_info),
+                          oracle.reference, case.dtype)
     return error, problem
 
 
+def with_numerics(error: ErrorInfo, reference: ReferenceErrors | None, dtype: str) -> ErrorInfo:
+    """`error` with the output's (and the lse's, where it has one) ratio to the same-dtype reference and the
+    verdict over every tensor (bench.measure.numerics)."""
+    if reference is None:
+        return error
+    out_ratio = ratio(error.rel_l2, reference.out, dtype)
+    lse_ratio = ratio(error.lse_rel_l2, reference.lse, dtype) if error.lse_rel_l2 is not None else None
+    ratios = [out_ratio, lse_ratio, *(g.ratio for g in (error.grads or {}).values())]
+    return error.model_copy(update={"reference_rel_l2": reference.out, "ratio": out_ratio,
+                                    "lse_reference_rel_l2": reference.lse if lse_ratio is not None else None,
+                                    "lse_ratio": lse_ratio, "numerics": verdict(ratios)})
+
+
 def check_against_oracle(case: Case, impl: registry.Impl, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
-                         out: Tensor, grad_out: Tensor | None, full: bool, oracle: dict[str, Any] | None = None
-                         ) -> tuple[dict[str, Any], str | None]:
+                         out: Tensor, grad_out: Tensor | None, full: bool, oracle: OracleResults | None = None
+                         ) -> tuple[ErrorInfo, str | None]:
     """(error, problem or None) of one process's output (and gradients) against the float64 oracle."""
     tol = tolerance_for(case.dtype, impl.tf32(case))
     if not full:

@@ -20,7 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
+
+from bench.results.environment import LoadAt
+from bench.results.records import ContentionInfo, DeviceState
 
 PSI_CPU = Path("/proc/pressure/cpu")
 # PSI counts a stall only while a runnable task waits, so a pair whose threads fit the usable cores reads near 0
@@ -82,6 +85,13 @@ class Readings:
     cpu: Callable[[], float] = time.process_time
 
 
+# The GPU holding its own power limit under the pair's load: the clocks it sustains for this kernel, not another
+# tenant. Seen on the first H200 run: every heavy call (block densities from 20%, sdpa's dense calls) reached it,
+# light ones did not; calling those busy made every heavy kernel's change NOISY. Thermal slowdowns (heat left by
+# what ran before) and the hardware's own slowdowns still make a pair busy; gpu_throttle keeps every reason.
+OWN_POWER_LIMIT = frozenset({"sw_power_cap", "power violation counters grew"})
+
+
 def verdict(cpu_pressure: float | None, load: float | None, cpu_over_wall: float | None,
             gpu_throttle: list[str] | None = None) -> tuple[Verdict, str | None]:
     """(quiet | busy, the reason when busy): one rule for every reading."""
@@ -91,8 +101,9 @@ def verdict(cpu_pressure: float | None, load: float | None, cpu_over_wall: float
         return "busy", f"load {load:.2f} per core (>= {LOAD_BUSY})"
     if cpu_over_wall is not None and cpu_over_wall < CPU_OVER_WALL_BUSY:
         return "busy", f"{cpu_over_wall:.2f} CPU seconds per second (< {CPU_OVER_WALL_BUSY})"
-    if gpu_throttle:
-        return "busy", f"GPU throttled: {', '.join(gpu_throttle)}"
+    slowed = [reason for reason in gpu_throttle or [] if reason not in OWN_POWER_LIMIT]
+    if slowed:
+        return "busy", f"GPU throttled: {', '.join(slowed)}"
     return "quiet", None
 
 
@@ -129,7 +140,7 @@ class ContentionMeter:
         if load is not None:
             self.load = load if self.load is None else max(self.load, load)
 
-    def result(self, device: str, device_state: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def result(self, device: str, device_state: DeviceState | None = None) -> ContentionInfo | None:
         """The record's `contention`; None when nothing was timed."""
         if self.wall_s <= 0:
             return None
@@ -138,8 +149,8 @@ class ContentionMeter:
         over_wall = self.cpu_s / self.wall_s if device == "cpu" else None
         throttle = gpu_throttle(device_state)
         decided, reason = verdict(pressure, self.load, over_wall, throttle)
-        return {"cpu_pressure": pressure, "load": self.load, "cpu_over_wall": self.cpu_s / self.wall_s,
-                "gpu_throttle": throttle, "verdict": decided, "reason": reason, "waited_s": self.waited_s}
+        return ContentionInfo(cpu_pressure=pressure, load=self.load, cpu_over_wall=self.cpu_s / self.wall_s,
+                              gpu_throttle=throttle, verdict=decided, reason=reason, waited_s=self.waited_s)
 
 
 def wait_for_quiet(max_s: float, readings: Readings | None = None, window_s: float = 0.5,
@@ -157,24 +168,25 @@ def wait_for_quiet(max_s: float, readings: Readings | None = None, window_s: flo
     return r.wall() - start
 
 
-def gpu_throttle(device_state: dict[str, Any] | None) -> list[str] | None:
+def gpu_throttle(device_state: DeviceState | None) -> list[str] | None:
     """The slowing NVML reasons seen around the timing (bench.measure.nvml.throttle_summary); None off CUDA."""
-    if not device_state or device_state.get("throttled") is None:
+    if device_state is None or device_state.throttled is None:
         return None
-    reasons = list(device_state.get("throttle_reasons") or [])
-    if device_state.get("throttled") and not reasons:
-        reasons = ["violation counters grew"]
+    reasons = list(device_state.throttle_reasons)
+    if device_state.throttled and not reasons:  # throttled between the samples: the counters say which policy
+        grew = [policy for policy, seconds in (device_state.violation_s or {}).items() if seconds]
+        reasons = [f"{policy} violation counters grew" for policy in sorted(grew)] or ["violation counters grew"]
     return reasons
 
 
-def machine_load() -> dict[str, Any]:
+def machine_load() -> LoadAt:
     """run.json's load at the start and the end of a run."""
     try:
         one, five, fifteen = os.getloadavg()
     except OSError:
         one = five = fifteen = float("nan")
-    return {"load1": one, "load5": five, "load15": fifteen, "usable_cores": usable_cores(),
-            "psi_some_avg10": _psi_avg10(), "at": time.time()}
+    return LoadAt(load1=one, load5=five, load15=fifteen, usable_cores=usable_cores(), psi_some_avg10=_psi_avg10(),
+                  at=time.time())
 
 
 def _psi_avg10() -> float | None:

@@ -8,6 +8,7 @@ runs of different commits on the same machine share it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.measure.nvml import Nvml, shared, torch_uuid
-from bench.results.environment import Environment
+from bench.results.environment import CpuInfo, Environment, GitInfo, NvmlStatus, Versions
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding bench/measure/
 
@@ -30,22 +31,47 @@ def _git(*args: str, cwd: Path) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def git_info(cwd: Path | None = None) -> dict[str, Any]:
-    """Commit, branch and dirty flag of the repository holding this code (or cwd's), or nulls."""
+def git_info(cwd: Path | None = None) -> GitInfo:
+    """Commit, branch and dirty flag of the repository holding this code (or cwd's), with the hash of the
+    uncommitted changes to tracked files when dirty (untracked files do not count, as for the flag); or nulls."""
+    stated = stated_git()
+    if stated is not None:
+        return stated
     for where in ([cwd] if cwd else []) + [PROJECT_ROOT, Path.cwd()]:
         commit = _git("rev-parse", "HEAD", cwd=where)
         if commit:
             branch = _git("rev-parse", "--abbrev-ref", "HEAD", cwd=where)
             status = _git("status", "--porcelain", "--untracked-files=no", cwd=where)
-            return {"commit": commit, "branch": branch, "dirty": bool(status)}
-    return {"commit": None, "branch": None, "dirty": None}
+            diff = _git_bytes("diff", "HEAD", "--binary", cwd=where) if status else None
+            return GitInfo(commit=commit, branch=branch, dirty=bool(status),
+                           diff_sha256=hashlib.sha256(diff).hexdigest() if diff is not None else None)
+    return GitInfo()
+
+
+def stated_git() -> GitInfo | None:
+    """The commit whoever copied this tree says it is: BENCH_GIT_COMMIT (and BENCH_GIT_DIRTY=1 when the tree
+    differs from it), for a tree copied without its .git or beside a .git that is not its own (a container image,
+    a tree sent to a GPU machine with a stale repository: seen there, a months-old commit and a dirty flag).
+    The copier knows which commit it sent; this code cannot tell. None when unset."""
+    commit = os.environ.get("BENCH_GIT_COMMIT", "").strip()
+    if not commit:
+        return None
+    return GitInfo(commit=commit, dirty=os.environ.get("BENCH_GIT_DIRTY", "0").strip() not in ("", "0"))
+
+
+def _git_bytes(*args: str, cwd: Path) -> bytes | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
 
 
 # Instruction-set features that change CPU matmul and attention speed (bf16 and AMX paths in oneDNN).
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "asimd", "sve")
 
 
-def cpu_info() -> dict[str, Any]:
+def cpu_info() -> CpuInfo:
     """CPU model, cores (all and usable by this process), the ISA features that matter, torch's threads."""
     import torch
 
@@ -67,17 +93,16 @@ def cpu_info() -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
-    return {"model": model, "logical_cores": os.cpu_count(), "usable_cores": usable,
-            "machine": platform.machine(), "features": [f for f in CPU_FEATURES if f in flags],
-            "torch_threads": torch.get_num_threads()}
+    return CpuInfo(model=model, logical_cores=os.cpu_count(), usable_cores=usable, machine=platform.machine(),
+                   features=[f for f in CPU_FEATURES if f in flags], torch_threads=torch.get_num_threads())
 
 
-def versions() -> dict[str, Any]:
+def versions() -> Versions:
     """Python, torch (and the CUDA, cuDNN and NCCL it was built with), triton and the numeric libraries."""
     import torch
 
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "cudnn": None, "nccl": None}
+    out: dict[str, str | int | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                        "cuda": torch.version.cuda, "cudnn": None, "nccl": None}
     if torch.cuda.is_available():
         out["cudnn"] = torch.backends.cudnn.version()
         with contextlib.suppress(Exception):  # torch built without NCCL
@@ -89,7 +114,7 @@ def versions() -> dict[str, Any]:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
-    return out
+    return Versions.model_validate(out)
 
 
 def gpus(nvml: Nvml | None = None, torch_module: Any = None) -> list[dict[str, Any]]:
@@ -121,22 +146,22 @@ def gpus(nvml: Nvml | None = None, torch_module: Any = None) -> list[dict[str, A
     return out
 
 
-def nvml_status(nvml: Nvml | None = None) -> dict[str, Any]:
+def nvml_status(nvml: Nvml | None = None) -> NvmlStatus:
     """Whether NVML answered, why not, and the driver and driver-CUDA versions."""
     nvml = nvml if nvml is not None else shared()
-    return {"available": nvml.available, "reason": nvml.reason, **nvml.driver()}
+    return NvmlStatus(available=nvml.available, reason=nvml.reason, **nvml.driver())
 
 
 def capture(backend: str, nvml: Nvml | None = None, torch_module: Any = None) -> Environment:
     """The `env` of run.json. `backend` is the device kind the run measures on: cpu or cuda."""
     nvml = nvml if nvml is not None else shared()
     env = Environment.model_validate({
-        "git": git_info(),
+        "git": git_info().model_dump(),
         "host": {"hostname": socket.gethostname(), "os": platform.platform()},
-        "cpu": cpu_info(),
+        "cpu": cpu_info().model_dump(),
         "gpus": gpus(nvml, torch_module),
-        "nvml": nvml_status(nvml),
-        "versions": versions(),
+        "nvml": nvml_status(nvml).model_dump(),
+        "versions": versions().model_dump(by_alias=True),
         "backend": backend,
     })
     return env.model_copy(update={"fingerprint": env.computed_fingerprint()})
@@ -149,4 +174,4 @@ def device_description(device: str) -> str:
 
         index = torch.cuda.current_device()
         return f"cuda:{index} {torch.cuda.get_device_name(index)}"
-    return f"cpu: {cpu_info()['model']}"
+    return f"cpu: {cpu_info().model}"

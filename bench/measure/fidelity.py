@@ -19,7 +19,6 @@ A selector's distance from dense attention is fidelity, never `incorrect` (that 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,6 +26,7 @@ from torch import Tensor
 from bench.inputs import CaseInputs
 from bench.measure.reference import reference_chunks
 from bench.patterns import Pattern
+from bench.results.records import FidelityInfo, Spread
 from bench.selection import Selection, effective_mask
 from bench.selection.oracle import oracle_topk_indices
 
@@ -45,19 +45,19 @@ def sampled_units(selection: Selection, batch: int, heads: int, q_len: int, seq_
     return torch.unique(torch.cat([torch.tensor([0, units - 1]), inner]))
 
 
-def _summary(values: Tensor) -> dict[str, float | None]:
+def spread(values: Tensor) -> Spread:
+    """mean, 5th percentile, min and max of `values` (all None when there are none)."""
     if values.numel() == 0:
-        return {"mean": None, "p5": None, "min": None, "max": None}
+        return Spread(mean=None, p5=None, min=None, max=None)
     v = values.to(torch.float64).cpu()
-    return {"mean": float(v.mean()), "p5": float(torch.quantile(v, 0.05)), "min": float(v.min()),
-            "max": float(v.max())}
+    return Spread(mean=float(v.mean()), p5=float(torch.quantile(v, 0.05)), min=float(v.min()), max=float(v.max()))
 
 
 def _recall(weights: Tensor, mask: Tensor) -> Tensor:
     return (weights * mask).sum(dim=-1)
 
 
-def fidelity(selection: Selection, pattern: Pattern, made: CaseInputs, seed: int) -> dict[str, Any]:
+def fidelity(selection: Selection, pattern: Pattern, made: CaseInputs, seed: int) -> FidelityInfo:
     """The record's `fidelity` (module docstring)."""
     q, k, v = made.q, made.k, made.v
     b, h, q_len, d = q.shape
@@ -97,12 +97,11 @@ def fidelity(selection: Selection, pattern: Pattern, made: CaseInputs, seed: int
         base_pairs += int(base.sum())
     recall_all = torch.cat(recalls)
     lse_gap = -torch.log(recall_all.clamp_min(1e-300))
-    return {"recall": _summary(recall_all), "lse_gap": _summary(lse_gap),
-            "oracle_recall": _summary(torch.cat(oracle_recalls)), "cosine": _summary(torch.cat(cosines)),
-            "output_rel_l2": math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else 0.0,
-            "needles_found": needles_found(selection, pattern, made),
-            "density": effective_pairs / base_pairs if base_pairs else None,
-            "rows": int(recall_all.numel())}
+    return FidelityInfo(recall=spread(recall_all), lse_gap=spread(lse_gap),
+                        oracle_recall=spread(torch.cat(oracle_recalls)), cosine=spread(torch.cat(cosines)),
+                        output_rel_l2=math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else 0.0,
+                        needles_found=needles_found(selection, pattern, made),
+                        density=effective_pairs / base_pairs if base_pairs else None, rows=int(recall_all.numel()))
 
 
 def needles_found(selection: Selection, pattern: Pattern, made: CaseInputs) -> float | None:
@@ -121,6 +120,7 @@ def needles_found(selection: Selection, pattern: Pattern, made: CaseInputs) -> f
         if not bool((reachable > 0).any()):
             continue
         kept = effective_mask(selection, pattern, rows, h, hkv)[..., needle.start : needle.end].sum(dim=-1)
+        reachable = reachable.to(kept.device)  # the selection lives on the inputs' device, the pattern's on the CPU
         hit = (2 * kept >= reachable) & (reachable > 0)  # (B, H, r)
         found += int(hit.sum())
         total += b * h * int((reachable > 0).sum())

@@ -24,6 +24,17 @@ def attention_flops(case: Case, pairs: int) -> float:
     return fwd * (FWD_BWD_FACTOR if case.mode == "fwd_bwd" else 1.0)
 
 
+# The backward alone (a fwd_bwd record's `flops_bwd`), by FlashAttention's benchmark convention (its `flops(...,
+# mode="bwd")`): 2.5x the forward. The pair's `flops` keep the contract's 2.5x the forward for forward+backward,
+# so flops_bwd is not flops minus the forward: each says which convention it follows.
+BWD_FACTOR = 2.5
+
+
+def backward_flops(case: Case, nnz: int) -> float:
+    """The backward's FLOPs over the allowed pairs: BWD_FACTOR x the forward's."""
+    return 4.0 * case.batch * case.heads * nnz * case.head_dim * BWD_FACTOR
+
+
 def useful_flops(case: Case, nnz: int) -> float:
     """FLOPs over the pattern's allowed pairs only."""
     return attention_flops(case, nnz)

@@ -32,7 +32,7 @@ def case_statistics(case: Case) -> dict[str, Any]:
     """The case's inputs made as a run makes them, and their attention statistics (with `by_head`)."""
     made = make_inputs(case)
     stats = attention_statistics(made.q, made.k, case.make_pattern(), checked_rows(case), case.block_size)
-    return {"case_id": case.case_id, "label": case.label, "inputs": made.info(), **stats}
+    return {"case_id": case.case_id, "label": case.label, "inputs": made.info().model_dump(), **stats}
 
 
 def _cell(summary: dict[str, float]) -> str:

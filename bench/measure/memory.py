@@ -15,7 +15,7 @@ calls with many temporaries up to 2x slower than in a user's process.
 Switching at the measured call is not enough where the heap already holds large free chunks: glibc serves a
 request from a free chunk that fits before it considers mapping, so the call reuses what earlier calls left
 and the figure depends on that layout (csr's same call read 13.5 to 23 MB from one process to the next). A
-process that only measures memory (`bench.measure.pair.memory_alone`, in a fresh process) therefore tracks
+process that only measures memory (`bench.measure.fresh_memory.memory_alone`, in a fresh process) therefore tracks
 from its start (`track_allocations`): no large chunk ever lives on its heap, and the figure repeats (13.5 to
 13.7 MB over the same processes).
 
@@ -33,6 +33,8 @@ import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from bench.results.records import MemoryInfo
 
 # glibc mallopt parameters (malloc.h) and the values used while timing and while measuring memory.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -146,11 +148,11 @@ def tracking_allocator() -> Iterator[bool]:
             set_malloc_thresholds(TIMING_MMAP_THRESHOLD, TIMING_TRIM_THRESHOLD)
 
 
-def measure_cpu_peak(fn: Callable[[], Any]) -> dict[str, Any]:
+def measure_cpu_peak(fn: Callable[[], Any]) -> MemoryInfo:
     """Resident high-water mark of one call of fn minus the resident size before it."""
     why_not = cpu_peak_available()
     if why_not:
-        return {"peak_bytes": None, "method": "rss_hwm", "note": why_not}
+        return MemoryInfo(peak_bytes=None, method="rss_hwm", note=why_not)
     with tracking_allocator() as switched:
         before = rss_bytes()
         reset_hwm()
@@ -159,10 +161,10 @@ def measure_cpu_peak(fn: Callable[[], Any]) -> dict[str, Any]:
         del result
     assert before is not None and peak is not None
     note = None if switched else "C library is not glibc: freed heap memory may be reused unseen (a lower bound)"
-    return {"peak_bytes": max(0, peak - before), "method": "rss_hwm", "note": note}
+    return MemoryInfo(peak_bytes=max(0, peak - before), method="rss_hwm", note=note)
 
 
-def measure_cuda_peak(fn: Callable[[], Any], torch_module: Any = None) -> dict[str, Any]:
+def measure_cuda_peak(fn: Callable[[], Any], torch_module: Any = None) -> MemoryInfo:
     """Peak bytes allocated by the caching allocator during one call, minus what was allocated before."""
     if torch_module is None:
         import torch as torch_module
@@ -174,8 +176,8 @@ def measure_cuda_peak(fn: Callable[[], Any], torch_module: Any = None) -> dict[s
     cuda.synchronize()
     peak = cuda.max_memory_allocated()
     del result
-    return {"peak_bytes": max(0, peak - before), "method": "cuda_max_memory_allocated", "note": None}
+    return MemoryInfo(peak_bytes=max(0, peak - before), method="cuda_max_memory_allocated")
 
 
-def measure_peak(fn: Callable[[], Any], device: str) -> dict[str, Any]:
+def measure_peak(fn: Callable[[], Any], device: str) -> MemoryInfo:
     return measure_cuda_peak(fn) if device.startswith("cuda") else measure_cpu_peak(fn)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.format import format_gib
+from bench.console.format import format_gib
 from bench.registry import Impl
 from bench.spec.case import Case
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bench.results.records import DeviceState, GpuIdentity, GpuState
+
 # Clock event ("throttle") reason bits, nvml.h `nvmlClocksEventReason*` (NVML API reference, Device Queries).
 REASON_BITS = {
     0x1: "gpu_idle",
@@ -115,7 +117,7 @@ class Nvml:
             "power_limit_w": power_limit / 1000 if power_limit is not None else None,
         }
 
-    def state(self, handle: Any) -> dict[str, Any]:
+    def state(self, handle: Any) -> GpuState:
         """What can change while we measure: clocks, temperature, power, memory used, throttle reasons."""
         reasons = self._try("nvmlDeviceGetCurrentClocksEventReasons", handle)
         if reasons is None:
@@ -126,16 +128,12 @@ class Nvml:
         for policy, code in VIOLATION_POLICIES.items():
             status = self._try("nvmlDeviceGetViolationStatus", handle, code)
             violations[policy] = int(status.violationTime) if status is not None else None
-        return {
-            "time": time.time(),
-            "sm_clock_mhz": self._try("nvmlDeviceGetClockInfo", handle, NVML_CLOCK_SM),
-            "mem_clock_mhz": self._try("nvmlDeviceGetClockInfo", handle, NVML_CLOCK_MEM),
-            "temperature_c": self._try("nvmlDeviceGetTemperature", handle, NVML_TEMPERATURE_GPU),
-            "power_w": power / 1000 if power is not None else None,
-            "memory_used_bytes": int(memory.used) if memory is not None else None,
-            "clock_event_reasons": decode_reasons(reasons),
-            "violation_ns": violations,
-        }
+        return GpuState(time=time.time(), sm_clock_mhz=self._try("nvmlDeviceGetClockInfo", handle, NVML_CLOCK_SM),
+                        mem_clock_mhz=self._try("nvmlDeviceGetClockInfo", handle, NVML_CLOCK_MEM),
+                        temperature_c=self._try("nvmlDeviceGetTemperature", handle, NVML_TEMPERATURE_GPU),
+                        power_w=power / 1000 if power is not None else None,
+                        memory_used_bytes=int(memory.used) if memory is not None else None,
+                        clock_event_reasons=decode_reasons(reasons), violation_ns=violations)
 
     def all_gpus(self) -> list[dict[str, Any]]:
         """describe() + state() of every GPU NVML sees, with its NVML index."""
@@ -143,7 +141,8 @@ class Nvml:
         for index in range(self.count()):
             handle = self.handle(index=index)
             if handle is not None:
-                out.append({"nvml_index": index, **self.describe(handle), "state": self.state(handle)})
+                out.append({"nvml_index": index, **self.describe(handle),
+                            "state": self.state(handle).model_dump()})
         return out
 
 
@@ -158,36 +157,36 @@ def shared() -> Nvml:
     return _SHARED
 
 
-def throttle_summary(gpu: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def throttle_summary(gpu: GpuIdentity, before: GpuState, after: GpuState) -> DeviceState:
     """The record's `env`: device state before and after the measurement and whether it was throttled.
 
     Throttled when a slowing reason is active at either sample, or when NVML's cumulative power/thermal
     violation time grew in between (which catches throttling that started and ended between samples).
     """
-    reasons = set()
+    reasons: set[str] = set()
     for sample in (before, after):
-        reasons |= set(sample.get("clock_event_reasons") or []) & THROTTLING
+        reasons |= set(sample.clock_event_reasons or []) & THROTTLING
     violation_s: dict[str, float | None] = {}
     for policy in VIOLATION_POLICIES:
-        b, a = before["violation_ns"].get(policy), after["violation_ns"].get(policy)
+        b, a = before.violation_ns.get(policy), after.violation_ns.get(policy)
         violation_s[policy] = (a - b) / 1e9 if a is not None and b is not None else None
     grew = any(v is not None and v > 0 for v in violation_s.values())
-    known = before.get("clock_event_reasons") is not None or any(v is not None for v in violation_s.values())
-    return {"gpu": gpu, "before": before, "after": after, "throttle_reasons": sorted(reasons),
-            "violation_s": violation_s, "throttled": (bool(reasons) or grew) if known else None}
+    known = before.clock_event_reasons is not None or any(v is not None for v in violation_s.values())
+    return DeviceState(gpu=gpu, before=before, after=after, throttle_reasons=sorted(reasons),
+                       violation_s=violation_s, throttled=(bool(reasons) or grew) if known else None)
 
 
 class GpuMonitor:
     """Samples one GPU's state around a measurement. `gpu` identifies it (index, uuid, name) in records."""
 
-    def __init__(self, nvml: Nvml, handle: Any, gpu: dict[str, Any]) -> None:
+    def __init__(self, nvml: Nvml, handle: Any, gpu: GpuIdentity) -> None:
         self.nvml, self.handle, self.gpu = nvml, handle, gpu
-        self._before: dict[str, Any] | None = None
+        self._before: GpuState | None = None
 
     def start(self) -> None:
         self._before = self.nvml.state(self.handle)
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> DeviceState:
         assert self._before is not None, "start() first"
         return throttle_summary(self.gpu, self._before, self.nvml.state(self.handle))
 
@@ -201,8 +200,8 @@ class UnmonitoredGpu:
     def start(self) -> None:
         pass
 
-    def stop(self) -> dict[str, Any]:
-        return {"gpu": None, "throttled": None, "reason": self.reason}
+    def stop(self) -> DeviceState:
+        return DeviceState(reason=self.reason)
 
 
 def torch_uuid(props: Any) -> str | None:
@@ -232,4 +231,4 @@ def device_monitor(device: str, nvml: Nvml | None = None, torch_module: Any = No
     if handle is None:
         return UnmonitoredGpu(f"no NVML GPU matches cuda:{index} (uuid {uuid})")
     described = nvml.describe(handle)
-    return GpuMonitor(nvml, handle, {"cuda_index": index, "uuid": described["uuid"], "name": described["name"]})
+    return GpuMonitor(nvml, handle, GpuIdentity(cuda_index=index, uuid=described["uuid"], name=described["name"]))

@@ -10,28 +10,32 @@ page table take them, and the oracle checks each sequence against its own patter
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.inputs import CaseInputs
 from bench.inputs.paged import PagedKV, kv_lengths, page_kv
 from bench.measure import flops as flop_counts
+from bench.measure.check import nonfinite_only
 from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.measure.steps import Phase, Prepared, checkpointed, prepare_with
 from bench.patterns import Pattern
+from bench.results.records import ErrorInfo
 from bench.spec.case import Case
 
+if TYPE_CHECKING:
+    from bench.measure.case_cache import CaseCache
 
-def case_paged(case: Case, made: CaseInputs, cached: dict[str, Any]) -> PagedKV:
-    """The case's pool and page table, made once (cached in `cached`)."""
-    if "paged" not in cached:
+
+def case_paged(case: Case, k: Tensor, v: Tensor, cache: CaseCache) -> PagedKV:
+    """The case's pool and page table made from its logical k, v (B, Hkv, N, D), once (kept in `cache`)."""
+    if cache.paged is None:
         lengths = kv_lengths(case.kv_lens, case.batch, case.seq_len, case.n_queries, case.seed)
-        cached["paged"] = page_kv(made.k, made.v, int(case.page_size or 1), lengths, case.seed)
-    return cached["paged"]
+        cache.paged = page_kv(k, v, int(case.page_size or 1), lengths, case.seed)
+    return cache.paged
 
 
 def sequence_patterns(case: Case, paged: PagedKV) -> list[Pattern] | None:
@@ -78,20 +82,18 @@ def prepare_paged_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Ten
 
 
 def check_sequences(case: Case, impl: registry.Impl, patterns: list[Pattern], q: Tensor, k: Tensor, v: Tensor,
-                    out: Tensor, full: bool) -> tuple[dict[str, Any], str | None]:
+                    out: Tensor, full: bool) -> tuple[ErrorInfo, str | None]:
     """(error, problem) of sequences of their own lengths: each sequence against the oracle under its pattern
     over its own keys (every query row: decode and short chunks, the shapes paged caches hold)."""
     tol = tolerance_for(case.dtype, impl.tf32(case))
     if not full:
-        nonfinite = int((~torch.isfinite(out.detach())).sum())
-        return ({"max_abs": None, "rel_l2": None, "tolerance": tol, "rows_checked": 0, "nonfinite": nonfinite},
-                f"output has {nonfinite} NaN/Inf values" if nonfinite else None)
+        return nonfinite_only(out, tol)
     expected = torch.cat([reference_attention(q[b : b + 1].detach(), k[b : b + 1, :, : p.seq_len].detach(),
                                               v[b : b + 1, :, : p.seq_len].detach(), p)
                           for b, p in enumerate(patterns)])
     stats = compare(out.detach(), expected, tol)
-    error = {"max_abs": stats.max_abs, "rel_l2": stats.rel_l2, "tolerance": tol, "rows_checked": stats.rows_checked,
-             "nonfinite": stats.nonfinite}
+    error = ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, tolerance=tol, rows_checked=stats.rows_checked,
+                      nonfinite=stats.nonfinite)
     problem = None if stats.passed else (f"output has {stats.nonfinite} NaN/Inf values" if stats.nonfinite else
                                          f"output off the float64 oracle (each sequence under its own length): "
                                          f"rel_l2 {stats.rel_l2:.3g} > tolerance {tol:g}")

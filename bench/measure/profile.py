@@ -21,7 +21,9 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput, Unavailable
-from bench.measure.steps import call_inputs, prepare_call, skip_reason, timed_step
+from bench.measure.case_cache import CaseCache
+from bench.measure.prepare import prepare
+from bench.measure.steps import call_inputs, make_inputs, skip_reason
 from bench.spec.case import Case, resolve_device
 from bench.spec.suite import load_suite
 
@@ -84,15 +86,15 @@ def profile_command(suite_path: Path, impl_name: str, index: int, out: Path | No
     on_device = case.device == "cuda"
     out = out or default_output(suite_name, case, impl_name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    pattern = case.make_pattern()
-    q, k, v, grad_out = call_inputs(case)
+    made = make_inputs(case)
+    q, k, v, grad_out = call_inputs(case, made)
     sync = torch.cuda.synchronize if on_device else (lambda: None)
     t0 = time.perf_counter()
-    try:
-        prepared = prepare_call(impl, case, pattern, q, k, v)
+    try:  # a selection case traced end to end with its selector, a paged case through its page table
+        prepared = prepare(impl, case, case.make_pattern(), q, k, v, grad_out, CaseCache(inputs=made))
     except Unavailable as exc:
         raise BadInput(f"cannot profile {impl_name}: {exc.reason}", field="--impl") from None
-    step = timed_step(prepared.fn, q, k, v, grad_out)
+    step = prepared.step
     for _ in range(WARMUP_CALLS - 1):  # the first call was prepare_call's
         step()
     sync()
@@ -107,8 +109,8 @@ def profile_command(suite_path: Path, impl_name: str, index: int, out: Path | No
                 step()
             sync()
     prof.export_chrome_trace(str(out))
-    console.print(f"case {index}: {case.label} | {impl_name} on {case.device}; setup and {WARMUP_CALLS} "
-                  f"warm-up calls took {setup_s:.3g} s, not traced")
+    console.print(f"case {index}: {case.label} | {impl_name} on {case.device} ({prepared.kind} case); setup and "
+                  f"{WARMUP_CALLS} warm-up calls took {setup_s:.3g} s, not traced")
     console.print(top_table(prof, on_device))
     console.print(f"trace: {out} (Chrome trace JSON: chrome://tracing or https://ui.perfetto.dev)")
     return 0

@@ -22,25 +22,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from bench import registry
-from bench.comm import Communicator, use
+from bench.comm.communicator import Communicator, use
+from bench.comm.sharding import DistributedImpl, Shard
 from bench.errors import Unavailable
 from bench.measure import flops as flop_counts
 from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, rows_only
 from bench.measure.contention import ContentionMeter
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak
+from bench.measure.numerics import strict_problem
+from bench.measure.prepare import prepare_case, stage_case
+from bench.measure.rank_part import CaseFigures, ExpectedComm, LevelCount, OpCount, RankPart
 from bench.measure.reference import tolerance_for
-from bench.measure.steps import call_inputs, describe_failure, failure_kind, policy_of, prepare_call, timed_step
+from bench.measure.steps import call_inputs, describe_failure, failure_kind, policy_of, skip_reason
 from bench.measure.task import Task
 from bench.measure.timing import CpuTimer, measure
 from bench.measure.topology import node_label, node_of_rank
-from bench.sharding import DistributedImpl, Shard
+from bench.patterns import Pattern
+from bench.results.records import ErrorInfo
 from bench.spec.case import Case
 
 Phase = Callable[[str], None]
@@ -59,39 +64,6 @@ class RankContext:
     device: str  # cpu | cuda
 
 
-class RankPart(TypedDict, total=False):
-    """One rank's part of a distributed record, sent to the runner as JSON (bench.run.messages.RankPart)."""
-
-    rank: int
-    status: str  # ok | skipped | failed
-    reason: str | None
-    details: str | None
-    phase: str  # a failure's phase
-    comm_error: bool  # a failure of the communication layer: a consequence of a peer's failure
-    failure: str  # a failure's kind (bench.results.records.FailureKind)
-    setup_s: float
-    setup: dict[str, Any]
-    config: dict[str, Any]
-    error: dict[str, Any] | None  # rank 0: the oracle check
-    problem: str | None  # rank 0: why the output is incorrect
-    levels: dict[str, Any]  # bytes per level of one counted step
-    comm: dict[str, dict[str, Any]]  # per op: calls, bytes, op and hidden time per timed step
-    time_s: dict[str, Any]
-    contention: dict[str, Any] | None
-    step_s: float | None  # this rank's own mean step time
-    pairs: Any  # this rank's useful (query, key) pairs
-    flops: float
-    memory: dict[str, Any]
-    device: str
-    threads: int
-    base: dict[str, Any]  # rank 0: density, block density, FLOPs of the case
-    expected_bytes: int | None  # rank 0
-    expected_by_level: dict[str, int] | None  # rank 0
-    expected_matrix: list[list[int]] | None  # rank 0: the closed form's bytes from each rank to each peer
-    node: str  # this rank's node (bench.measure.topology)
-    peers: dict[str, int]  # bytes this rank sent to each peer in one counted step
-
-
 class _Phases:
     """The phase a rank is in: reported as it enters one, named by a failure."""
 
@@ -107,72 +79,72 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
     """This rank's part of the record; never raises for the implementation's faults."""
     case = Case(**task.case)
     impl = registry.get(task.impl)
-    out: RankPart = {"rank": ctx.rank}
-    reason = impl.unavailable() or impl.unsupported(case)
+    out = RankPart(rank=ctx.rank)
+    reason = skip_reason(impl, case)
     if reason:
-        return {**out, "status": "skipped", "reason": reason}
+        return out.model_copy(update={"status": "skipped", "reason": reason})
     assert isinstance(impl, DistributedImpl), f"{task.impl} runs on ranks but is no DistributedImpl"
     comm = Communicator.from_group(ctx.group)
     phases = _Phases(phase)
     try:
         phases.enter("inputs")
-        out["node"] = node_label()
+        out.node = node_label()
         # Before prepare: cp_usp places its Ulysses groups by the ranks' nodes.
-        comm.node_of_rank = node_of_rank(ctx.control, ctx.world_size, out["node"])
+        comm.node_of_rank = node_of_rank(ctx.control, ctx.world_size, out.node)
         pattern = case.make_pattern()
         with use(comm):
             step = _prepare_and_check(task, case, impl, pattern, ctx, comm, phases, out)
             _count_and_time(task, case, impl, pattern, ctx, comm, step, phases, out)
             phases.enter("memory")
-            out["memory"] = measure_peak(step, ctx.device)
+            out.memory = measure_peak(step, ctx.device)
     except Unavailable as exc:
-        return {**out, "status": "skipped", "reason": exc.reason}
+        return out.model_copy(update={"status": "skipped", "reason": exc.reason})
     except Exception as exc:
         reason, details = describe_failure(phases.current, exc)
-        return {**out, "status": "failed", "reason": reason, "details": details, "phase": phases.current,
-                "comm_error": _is_comm_error(exc), "failure": failure_kind(exc)}
-    out["device"] = device_description(ctx.device)
-    out["threads"] = torch.get_num_threads()
+        return out.failed(reason, details, phases.current, _is_comm_error(exc), failure_kind(exc))
+    out.device = device_description(ctx.device)
+    out.threads = torch.get_num_threads()
     if ctx.rank == 0:
-        out["base"] = {"density": pattern.density, "block_density": pattern.block_density(case.block_size),
-                       "flops": flop_counts.useful_flops(case, pattern.nnz),
-                       "flops_dense": flop_counts.dense_flops(case)}
+        out.base = CaseFigures(density=pattern.density, block_density=pattern.block_density(case.block_size),
+                               flops=flop_counts.useful_flops(case, pattern.nnz),
+                               flops_dense=flop_counts.dense_flops(case))
         with use(comm):  # the closed forms see the topology the call saw (cp_usp's default degree)
-            out["expected_bytes"] = impl.expected_comm_bytes(case)
-            out["expected_by_level"] = impl.expected_comm_bytes_by_level(case)
-            out["expected_matrix"] = impl.expected_comm_matrix(case)
-    return {**out, "status": "ok"}
+            out.expected = ExpectedComm(bytes=impl.expected_comm_bytes(case),
+                                        by_level=impl.expected_comm_bytes_by_level(case),
+                                        matrix=impl.expected_comm_matrix(case))
+    return out
 
 
-def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: Any, ctx: RankContext,
+def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: Pattern, ctx: RankContext,
                        comm: Communicator, phases: _Phases, out: RankPart) -> Callable[[], Any]:
-    """Inputs, prepare and the first call, the oracle check (gathered to rank 0, uncounted); the timed step."""
+    """Inputs, prepare and the first call (bench.measure.prepare, as every caller), the oracle check (gathered
+    to rank 0, uncounted); the timed step."""
     q, k, v, grad_out = call_inputs(case)
-    phases.enter("prepare")
-    prepared = prepare_call(impl, case, pattern, q, k, v, phases.enter)
-    out["setup_s"] = prepared.setup_s
-    out["setup"] = prepared.setup.model_dump()
-    out["config"] = prepared.config or {}
     shards = [impl.shard(case, r) for r in range(ctx.world_size)]
     kv_shards = [impl.kv_shard(case, r) for r in range(ctx.world_size)]
-    result = prepared.first_output
-    held = _held_output(result, shards[ctx.rank], case)  # raises on a wrong shape
-
-    phases.enter("check")
-    with comm.paused():
-        out["error"], out["problem"] = _check(case, impl, pattern, ctx, (shards, kv_shards), q, k, v, result, held,
-                                              grad_out, full=task.measure.check)
-    del result, held, prepared.first_output
     mine = shards[ctx.rank]
 
     def upstream(result: Tensor) -> Tensor:  # the gradient of what the call returned: all, or a shard
         assert grad_out is not None
         return grad_out if result.shape == grad_out.shape else mine.take(grad_out)
 
-    return timed_step(prepared.fn, q, k, v, grad_out, upstream)
+    phases.enter("prepare")
+    prepared = prepare_case(impl, stage_case(case, pattern, q, k, v, grad_out), phases.enter, upstream)
+    out.setup_s, out.setup, out.config = prepared.call.setup_s, prepared.call.setup, prepared.call.config or {}
+    result = prepared.output
+    held = _held_output(result, mine, case)  # raises on a wrong shape
+
+    phases.enter("check")
+    with comm.paused():
+        out.error, out.problem = _check(case, impl, pattern, ctx, (shards, kv_shards), q, k, v, result, held,
+                                        grad_out, full=task.measure.check)
+        out.problem = out.problem or strict_problem(out.error, task.measure.numerics)
+    del result, held
+    prepared.call.first_output = None
+    return prepared.step
 
 
-def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Any, ctx: RankContext,
+def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Pattern, ctx: RankContext,
                     comm: Communicator, step: Callable[[], Any], phases: _Phases, out: RankPart) -> None:
     """One step counted op by op, then the timed steps (the slowest rank's time per sample), each op's time and
     hidden time per step, this rank's own step time and useful work, and the contention while timed."""
@@ -182,8 +154,8 @@ def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Any,
     if ctx.device.startswith("cuda"):
         torch.cuda.synchronize()
     counted = comm.snapshot()
-    out["levels"] = comm.levels_snapshot()
-    out["peers"] = {str(peer): sent for peer, sent in comm.peers_snapshot().items()}
+    out.levels = {name: LevelCount.model_validate(level) for name, level in comm.levels_snapshot().items()}
+    out.peers = {str(peer): sent for peer, sent in comm.peers_snapshot().items()}
 
     phases.enter("timing")
     policy = policy_of(task.measure)
@@ -194,18 +166,18 @@ def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Any,
     timer.own.clear()
     meter = ContentionMeter()
     meter.start()
-    out["time_s"] = measure(step, replace(policy, warmup=0), timer)
+    out.time_s = measure(step, replace(policy, warmup=0), timer)
     meter.stop()
-    out["contention"] = meter.result(ctx.device)
+    out.contention = meter.result(ctx.device)
     timed = comm.snapshot()
-    n = out["time_s"]["n"]
-    for op, stats in counted.items():  # op time (and its hidden part) per step, averaged over the timed steps
-        stats["time_s"] = timed.get(op, {}).get("time_s", 0.0) / n
-        stats["hidden_s"] = timed.get(op, {}).get("hidden_s", 0.0) / n
-    out["comm"] = counted
-    out["step_s"] = sum(timer.own) / len(timer.own) if timer.own else None
-    out["pairs"] = impl.rank_pairs(case, pattern, ctx.rank)
-    out["flops"] = flop_counts.attention_flops(case, out["pairs"]) / case.heads
+    n = out.time_s.n
+    # op time (and its hidden part) per step, averaged over the timed steps
+    out.comm = {op: OpCount(calls=int(stats["calls"]), bytes_sent=int(stats["bytes_sent"]),
+                            size_bytes=int(stats["size_bytes"]), time_s=timed.get(op, {}).get("time_s", 0.0) / n,
+                            hidden_s=timed.get(op, {}).get("hidden_s", 0.0) / n) for op, stats in counted.items()}
+    out.step_s = sum(timer.own) / len(timer.own) if timer.own else None
+    out.pairs = impl.rank_pairs(case, pattern, ctx.rank)
+    out.flops = flop_counts.attention_flops(case, out.pairs) / case.heads
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -288,9 +260,9 @@ def _gather_to_rank0(local: Tensor, shards: list[Shard], full: tuple[int, ...], 
     return whole
 
 
-def _check(case: Case, impl: registry.Impl, pattern: Any, ctx: RankContext,
+def _check(case: Case, impl: registry.Impl, pattern: Pattern, ctx: RankContext,
            shards: tuple[list[Shard], list[Shard]], q: Tensor, k: Tensor, v: Tensor, result: Tensor, held: Tensor,
-           grad_out: Tensor | None, full: bool) -> tuple[dict[str, Any] | None, str | None]:
+           grad_out: Tensor | None, full: bool) -> tuple[ErrorInfo | None, str | None]:
     """Gather the output (and owned gradients) to rank 0 and compare with the oracle there.
 
     `shards`: every rank's part of q and the output, and of k and v.

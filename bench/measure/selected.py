@@ -19,28 +19,33 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from bench import registry
-from bench.measure.check import checked_rows, rows_only
+from bench.measure.check import OracleResults, checked_rows, grad_errors, nonfinite_only, rows_only, with_numerics
+from bench.measure.numerics import finite_rel_l2, reference_errors
 from bench.measure.reference import compare, reference_attention_lse, tolerance_for
 from bench.measure.steps import Phase, Prepared, prepare_with
 from bench.patterns import Pattern
+from bench.results.records import ErrorInfo, SelectionInfo, TimeStats
 from bench.selection import Selection, SelectorInfo, effective_mask, get_selector, run_selector
 from bench.spec.case import Case
 
+if TYPE_CHECKING:
+    from bench.measure.case_cache import CaseCache
 
-def case_selection(case: Case, q: Tensor, k: Tensor, oracle: dict[str, Any]) -> tuple[SelectorInfo, Selection]:
-    """The case's selection, made and validated once (cached in `oracle`). Raises SelectionError."""
+
+def case_selection(case: Case, q: Tensor, k: Tensor, cache: CaseCache) -> tuple[SelectorInfo, Selection]:
+    """The case's selection, made and validated once (kept in `cache`). Raises SelectionError."""
     info = get_selector(str(case.selector))
-    if "selection" not in oracle:
+    if cache.selection is None:
         selection = run_selector(info, q, k, case)
         selection.validate(case.batch, case.heads, case.n_kv_heads, case.n_queries, case.seq_len)
-        oracle["selection"] = selection
-    return info, oracle["selection"]
+        cache.selection = selection
+    return info, cache.selection
 
 
 def split_output(result: Any) -> tuple[Any, Tensor | None]:
@@ -66,49 +71,57 @@ def prepare_selected_call(impl: registry.Impl, case: Case, pattern: Pattern, q: 
 
 
 def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection: Selection, q: Tensor, k: Tensor,
-                   v: Tensor, result: Any, grad_out: Tensor | None, full: bool, oracle: dict[str, Any]
-                   ) -> tuple[dict[str, Any], str | None]:
+                   v: Tensor, result: Any, grad_out: Tensor | None, full: bool, oracle: OracleResults
+                   ) -> tuple[ErrorInfo, str | None]:
     """(error, problem or None) of the attention step against the float64 oracle under the effective mask."""
     out, lse = split_output(result)
     tol = tolerance_for(case.dtype, impl.tf32(case))
+    if not full:
+        return nonfinite_only(out, tol)
     rows = checked_rows(case)
     heads, kv_heads = case.heads, case.n_kv_heads
 
     def selected(r: Tensor) -> Tensor:
         return effective_mask(selection, pattern, r, heads, kv_heads)
 
-    if "selected_out" not in oracle:
+    if oracle.selected_out is None:
         with torch.no_grad():
-            oracle["selected_out"] = reference_attention_lse(q.detach(), k.detach(), v.detach(), pattern, rows,
-                                                             selected)
-    expected_out, expected_lse = oracle["selected_out"]
-    if not full:
-        nonfinite = int((~torch.isfinite(out.detach())).sum())
-        return ({"max_abs": None, "rel_l2": None, "tolerance": tol, "rows_checked": 0, "nonfinite": nonfinite},
-                f"output has {nonfinite} NaN/Inf values" if nonfinite else None)
+            oracle.selected_out = reference_attention_lse(q.detach(), k.detach(), v.detach(), pattern, rows,
+                                                          selected)
+    expected_out, expected_lse = oracle.selected_out
     stats = compare(out.detach()[:, :, rows.to(out.device)], expected_out, tol)
-    error: dict[str, Any] = {"max_abs": stats.max_abs, "rel_l2": stats.rel_l2, "tolerance": tol,
-                             "rows_checked": stats.rows_checked, "nonfinite": stats.nonfinite}
     problem = None if stats.passed else (f"output has {stats.nonfinite} NaN/Inf values" if stats.nonfinite else
                                          f"output off the float64 oracle under the selection: rel_l2 "
                                          f"{stats.rel_l2:.3g} > tolerance {tol:g}")
+    lse_max_abs = lse_rel = None
     if lse is not None:
-        error["lse_max_abs"], lse_problem = _lse_error(lse.detach()[:, :, rows.to(lse.device)], expected_lse, tol)
+        checked_lse = lse.detach()[:, :, rows.to(lse.device)]
+        lse_max_abs, lse_problem = _lse_error(checked_lse, expected_lse, tol)
+        lse_rel = finite_rel_l2(checked_lse, expected_lse)
         problem = problem or lse_problem
-    if grad_out is not None and full:
-        g = rows_only(case, grad_out, rows)
+    backward = grad_out is not None
+    g = rows_only(case, grad_out, rows) if grad_out is not None else None
+    if backward and oracle.selected_grads is None:
+        assert g is not None
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref, _ = reference_attention_lse(q64, k64, v64, pattern, rows, selected)
+        dq, dk, dv = torch.autograd.grad(ref, (q64, k64, v64), g[:, :, rows.to(g.device)].double())
+        oracle.selected_grads = (dq, dk, dv)
+    if oracle.selected_reference is None or (backward and oracle.selected_reference.grads is None):
+        oracle.selected_reference = reference_errors(q, k, v, pattern, rows, expected_out, expected_lse, g,
+                                                     oracle.selected_grads if backward else None,
+                                                     extra_mask=selected)
+    grad_info = None
+    if backward:
+        assert g is not None and oracle.selected_grads is not None
         grads = torch.autograd.grad(out, (q, k, v), g, allow_unused=True)
-        if "selected_grads" not in oracle:
-            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-            ref, _ = reference_attention_lse(q64, k64, v64, pattern, rows, selected)
-            oracle["selected_grads"] = torch.autograd.grad(ref, (q64, k64, v64), g[:, :, rows.to(g.device)].double())
-        error["grads"] = {}
-        for name, actual, expected in zip(("dq", "dk", "dv"), grads, oracle["selected_grads"], strict=True):
-            s = compare(torch.zeros_like(expected) if actual is None else actual, expected, tol)
-            error["grads"][name] = {"max_abs": s.max_abs, "rel_l2": s.rel_l2, "tolerance": tol,
-                                    "nonfinite": s.nonfinite}
-            if problem is None and not s.passed:
-                problem = f"{name} off the float64 oracle under the selection: rel_l2 {s.rel_l2:.3g} > {tol:g}"
+        grad_info, grad_problem = grad_errors(grads, oracle.selected_grads, tol,
+                                              "the float64 oracle under the selection", oracle.selected_reference,
+                                              case.dtype)
+        problem = problem or grad_problem
+    error = ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, tolerance=tol, rows_checked=stats.rows_checked,
+                      nonfinite=stats.nonfinite, grads=grad_info, lse_max_abs=lse_max_abs, lse_rel_l2=lse_rel)
+    error = with_numerics(error, oracle.selected_reference, case.dtype)
     return error, problem
 
 
@@ -135,18 +148,24 @@ class SelectedSteps:
     selector: Callable[[], Any]
     attention: Callable[[], Any]
     end_to_end: Callable[[], Any]
+    forward: Callable[[], Any]  # end to end without the backward: the output (the phase split of fwd_bwd)
 
 
-def selected_steps(info: SelectorInfo, case: Case, attend: Callable[[Selection], Any], selection: Selection,
+def selected_steps(info: SelectorInfo | None, case: Case, attend: Callable[[Selection], Any], selection: Selection,
                    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor | None) -> SelectedSteps:
+    """The three timed calls. `info` None: a selection given as such (bench.api), whose selector step is the
+    selection itself."""
     def select() -> Selection:
-        return run_selector(info, q, k, case)
+        return selection if info is None else run_selector(info, q, k, case)
 
     def forward_over(chosen: Selection) -> Tensor:
         return split_output(attend(chosen))[0]
 
+    def end_to_end_forward() -> Tensor:
+        return forward_over(select())
+
     if grad_out is None:
-        return SelectedSteps(select, lambda: forward_over(selection), lambda: forward_over(select()))
+        return SelectedSteps(select, lambda: forward_over(selection), end_to_end_forward, end_to_end_forward)
 
     def backward_over(chosen_fn: Callable[[], Selection]) -> Callable[[], None]:
         def step() -> None:
@@ -155,7 +174,7 @@ def selected_steps(info: SelectorInfo, case: Case, attend: Callable[[Selection],
 
         return step
 
-    return SelectedSteps(select, backward_over(lambda: selection), backward_over(select))
+    return SelectedSteps(select, backward_over(lambda: selection), backward_over(select), end_to_end_forward)
 
 
 def selection_kv_rows(selection: Selection, pattern: Pattern, heads: int, kv_heads: int) -> int:
@@ -177,13 +196,13 @@ def selection_kv_rows(selection: Selection, pattern: Pattern, heads: int, kv_hea
 
 
 def selection_record(info: SelectorInfo, case: Case, selection: Selection, density: float | None,
-                     selector_time: dict[str, Any], attention_time: dict[str, Any],
-                     end_to_end: dict[str, Any]) -> dict[str, Any]:
+                     selector_time: TimeStats, attention_time: TimeStats, end_to_end: TimeStats) -> SelectionInfo:
     """The record's `selection` block."""
     counts = selection.counts()
-    share = selector_time["median"] / end_to_end["median"] if end_to_end["median"] > 0 else None
-    return {"selector": info.name, "q_unit": selection.q_unit, "kv_unit": selection.kv_unit,
-            "shared": selection.shared, "budget": case.budget, "threshold": case.threshold,
-            "units_mean": float(counts.to(torch.float64).mean()) if counts.numel() else 0.0,
-            "density": density, "reference": info.reference, "time_s": selector_time,
-            "attention_time_s": attention_time, "share": share if share is None or math.isfinite(share) else None}
+    share = selector_time.median / end_to_end.median if end_to_end.median > 0 else None
+    return SelectionInfo(selector=info.name, q_unit=selection.q_unit, kv_unit=selection.kv_unit,
+                         shared=selection.shared, budget=case.budget, threshold=case.threshold,
+                         units_mean=float(counts.to(torch.float64).mean()) if counts.numel() else 0.0,
+                         density=density, reference=info.reference, time_s=selector_time,
+                         attention_time_s=attention_time,
+                         share=share if share is None or math.isfinite(share) else None)

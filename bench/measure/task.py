@@ -31,6 +31,7 @@ class MeasureSettings(BaseModel):
     memory: Literal["fresh", "worker"] = "fresh"  # where CPU memory is read (bench.run.forkserver)
     attention_stats: bool = False  # the records carry the attention statistics of the case's inputs
     wait_for_quiet_s: float = 0.0  # before timing, wait up to this long for the CPU pressure to fall
+    numerics: Literal["report", "strict"] = "report"  # strict: worse than the same-dtype reference is incorrect
     calibration: Calibration | None = None
 
 

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 from scipy import stats as scipy_stats
 
+from bench.results.records import StoppedBy, TimeStats
+
 # When the device reports no L2 size: 72 MiB, the largest L2 of the cards in bench.measure.hardware (RTX 4090's);
 # flushing more than needed only costs time outside the timed region.
 DEFAULT_L2_BYTES = 72 * 2**20
@@ -143,28 +145,19 @@ def rel_ci_halfwidth(samples: list[float] | np.ndarray) -> float:
     return (ci[1] - ci[0]) / 2 / med
 
 
-def summarize(samples: list[float], stopped_by: str | None = None) -> dict[str, Any]:
+def summarize(samples: list[float], stopped_by: StoppedBy | None = None) -> TimeStats:
     """The record's `time_s`: order statistics, moments, the median's CI and every raw sample."""
     x = np.asarray(samples, dtype=float)
     ci = median_ci95(x)
     rel = rel_ci_halfwidth(x)
-    return {
-        "median": float(np.median(x)),
-        "min": float(x.min()),
-        "max": float(x.max()),
-        "mean": float(x.mean()),
-        "std": float(x.std(ddof=1)) if len(x) > 1 else 0.0,
-        "q1": float(np.percentile(x, 25)),
-        "q3": float(np.percentile(x, 75)),
-        "n": len(x),
-        "samples": [float(s) for s in x],
-        "ci95": list(ci) if ci else None,
-        "rel_ci95": None if math.isinf(rel) else rel,
-        "stopped_by": stopped_by,
-    }
+    return TimeStats(median=float(np.median(x)), min=float(x.min()), max=float(x.max()), mean=float(x.mean()),
+                     std=float(x.std(ddof=1)) if len(x) > 1 else 0.0, q1=float(np.percentile(x, 25)),
+                     q3=float(np.percentile(x, 75)), n=len(x), samples=[float(s) for s in x],
+                     ci95=list(ci) if ci else None, rel_ci95=None if math.isinf(rel) else rel,
+                     stopped_by=stopped_by)
 
 
-def measure(fn: Callable[[], Any], policy: TimingPolicy, timer: Timer) -> dict[str, Any]:
+def measure(fn: Callable[[], Any], policy: TimingPolicy, timer: Timer) -> TimeStats:
     """Warm up (discarded), then sample per `policy`; returns `summarize()` of the timed samples only.
 
     stopped_by: "precision" (target CI reached), "max_time" (budget spent) or "max_samples".
@@ -173,6 +166,7 @@ def measure(fn: Callable[[], Any], policy: TimingPolicy, timer: Timer) -> dict[s
         timer.time_call(fn)
     samples: list[float] = []
     next_check = policy.repeat
+    stopped_by: StoppedBy
     start = timer.clock()
     while True:
         samples.append(timer.time_call(fn))

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from bench.comm import link_bytes
+from bench.comm.communicator import link_bytes
+from bench.results.records import LinkBytes, Topology
+
+if TYPE_CHECKING:
+    from bench.measure.rank_part import RankPart
 
 
 def node_label() -> str:
@@ -34,27 +40,37 @@ def node_of_rank(control: Any, world_size: int, label: str) -> list[int]:
 
     labels: list[Any] = [None] * world_size
     dist.all_gather_object(labels, label, group=control)
-    return topology_of(labels)["node_of_rank"]
+    return topology_of(labels).node_of_rank
 
 
-def topology_of(labels: list[Any]) -> dict[str, Any]:
+def topology_of(labels: list[Any]) -> Topology:
     """{nodes, ranks_per_node, node_of_rank, node_names} from each rank's node label."""
     names: list[str] = []
     for label in labels:
         if label not in names:
             names.append(str(label))
     node_of_rank = [names.index(str(label)) for label in labels]
-    return {"nodes": len(names), "ranks_per_node": [node_of_rank.count(n) for n in range(len(names))],
-            "node_of_rank": node_of_rank, "node_names": names}
+    return Topology(nodes=len(names), ranks_per_node=[node_of_rank.count(n) for n in range(len(names))],
+                    node_of_rank=node_of_rank, node_names=names)
 
 
-def links(parts: list[dict[str, Any]], expected_matrix: list[list[int]] | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Links:
+    """The record's comm.topology, comm.by_link and comm.expected_bytes_by_link."""
+
+    topology: Topology
+    by_link: LinkBytes
+    expected_bytes_by_link: LinkBytes | None
+
+
+def links(parts: Sequence[RankPart], expected_matrix: list[list[int]] | None) -> Links | None:
     """topology (each rank's node), by_link (the bytes the ranks sent over intra- and inter-node links, from
-    each rank's bytes per peer) and expected_bytes_by_link (the implementation's traffic matrix, same split)."""
-    if any("node" not in p or "peers" not in p for p in parts):
-        return {}
-    topology = topology_of([p["node"] for p in parts])
-    sent = [[int(p["peers"].get(str(dst), 0)) for dst in range(len(parts))] for p in parts]
-    nodes = topology["node_of_rank"]
-    return {"topology": topology, "by_link": link_bytes(sent, nodes),
-            "expected_bytes_by_link": None if expected_matrix is None else link_bytes(expected_matrix, nodes)}
+    each rank's bytes per peer) and expected_bytes_by_link (the implementation's traffic matrix, same split);
+    None when a rank did not say its node."""
+    if any(p.node is None for p in parts):
+        return None
+    topology = topology_of([p.node for p in parts])
+    sent = [[int(p.peers.get(str(dst), 0)) for dst in range(len(parts))] for p in parts]
+    nodes = topology.node_of_rank
+    return Links(topology, LinkBytes(**link_bytes(sent, nodes)),
+                 None if expected_matrix is None else LinkBytes(**link_bytes(expected_matrix, nodes)))

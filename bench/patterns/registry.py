@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from bench.patterns.base import PATTERN_FIELDS, Pattern, PatternError
-from bench.plugins import source_of
+from bench.spec.plugins import source_of
 
 PATTERNS: dict[str, type[Pattern]] = {}
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bench.plugins import source_of
+from bench.spec.plugins import source_of
 
 ScoreModFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 BUILTIN_SCORE_MODS = ("softcap", "alibi", "relative_bias")

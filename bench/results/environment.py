@@ -18,10 +18,14 @@ _OPEN = ConfigDict(extra="allow", frozen=True)
 
 
 class GitInfo(BaseModel):
+    """The checkout a run's code came from: its commit, branch, whether tracked files differ from the commit,
+    and then the sha256 of that difference (`git diff HEAD`), so that two dirty trees are told apart."""
+
     model_config = _OPEN
     commit: str | None = None
     branch: str | None = None
     dirty: bool | None = None
+    diff_sha256: str | None = None
 
 
 class HostInfo(BaseModel):
@@ -78,29 +82,59 @@ class Versions(BaseModel):
     nvidia_ml_py: str | None = Field(default=None, alias="nvidia-ml-py")
 
 
+class CalibrationTime(BaseModel):
+    """How precisely a calibration figure was timed: the median call, its CI half-width, samples, why it stopped."""
+
+    model_config = _OPEN
+    median: float
+    rel_ci95: float | None = None
+    n: int
+    stopped_by: str | None = None
+
+
+class MatmulRate(BaseModel):
+    """FLOP/s of a square (n, n) @ (n, n) matmul."""
+
+    model_config = _OPEN
+    flops_per_s: float
+    n: int | None = None
+    time_s: CalibrationTime | None = None
+
+
+class Bandwidth(BaseModel):
+    """Bytes/s moved over a buffer of `bytes` (copy: read and write counted; read: each byte read once)."""
+
+    model_config = _OPEN
+    bytes_per_s: float
+    bytes: int | None = None
+    threads: int | None = None  # read: torch's intra-op threads
+    time_s: CalibrationTime | None = None
+
+
 class Calibration(BaseModel):
     """This machine's matmul rates per dtype, copy and read bandwidths (bench.measure.calibrate), or why it
     failed."""
 
-    model_config = _OPEN
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
     device: str | None = None
     backend: str | None = None
     measured_at: str | None = None
     torch_threads: int | None = None
-    matmul: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    copy_: dict[str, Any] | None = Field(default=None, alias="copy")
-    read: dict[str, Any] | None = None  # {all_threads, one_thread}: each {bytes_per_s, bytes, threads, time_s}
+    matmul: dict[str, MatmulRate] = Field(default_factory=dict)
+    copy_: Bandwidth | None = Field(default=None, alias="copy")
+    read: dict[str, Bandwidth] | None = None  # all_threads, and one_thread on CPU
     source: str | None = None
     error: str | None = None
+    fingerprint: str | None = None  # a stored calibration: the environment it belongs to
 
     def rate(self, key: str) -> float | None:
         entry = self.matmul.get(key)
-        return None if entry is None else float(entry["flops_per_s"])
+        return None if entry is None else entry.flops_per_s
 
     def read_bandwidth(self) -> float | None:
         """The all-thread read bandwidth (bytes/s), the memory roof of every record on this machine."""
         entry = (self.read or {}).get("all_threads")
-        return None if entry is None else float(entry["bytes_per_s"])
+        return None if entry is None else entry.bytes_per_s
 
 
 # The fields of an environment that make timings comparable, in one place: the fingerprint hashes them, and a

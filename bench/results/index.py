@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.errors import BadInput
+from bench.results.records import Record
 from bench.results.store import CALIBRATION_DIR, RUN_JSON, Run, load_run
 
 
@@ -64,6 +65,24 @@ def run_commit(run: Run) -> str | None:
 
 def run_fingerprint(run: Run) -> str:
     return run.info.env.fingerprint_or_unknown
+
+
+def record_device(record: Record, run: Run) -> str:
+    """The record's device string; for one that failed before naming it, the run's device of its kind, so
+    that it sits in its measured neighbours' section (cuda:0 NVIDIA H200, not cuda)."""
+    if record.device:
+        return record.device
+    requested = record.params.get("device")
+    env = run.info.env
+    kind = str(requested if requested not in (None, "auto") else env.backend or "unknown device")
+    if kind.startswith("cuda") and env.gpus:
+        index = int(kind.partition(":")[2] or 0)
+        gpu = next((g for g in env.gpus if g.cuda_index == index), None)
+        if gpu is not None and gpu.name:
+            return f"cuda:{index} {gpu.name}"
+    elif kind == "cpu" and env.cpu.model:
+        return f"cpu: {env.cpu.model}"
+    return kind
 
 
 def load_index(root: Path) -> StoreIndex:

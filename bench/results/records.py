@@ -1,4 +1,5 @@
-"""The record format (docs/DESIGN.md "Records"), defined once for writing and for validating what is read.
+"""The record format (docs/DESIGN.md "Records"), defined once for writing and for validating what is read (its
+communication, device and quality parts in comm_records, device_records, quality_records; all importable from here).
 
 `run.json` holds a `RunInfo`; `records.jsonl` one `Record` per (case, impl) per line. Models are frozen and
 forbid unknown keys, so a foreign or corrupted file is named on load instead of half-read. Non-finite
@@ -11,7 +12,11 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from bench.inputs import InputsInfo
+from bench.results.comm_records import CommInfo, CommLevel, CommOp, LinkBytes, RankComm, Topology
+from bench.results.device_records import ContentionInfo, DeviceState, GpuIdentity, GpuState
 from bench.results.environment import Environment
+from bench.results.quality_records import QualityInfo, TrainingInfo
 
 SCHEMA_VERSION = 1
 Status = Literal["ok", "skipped", "failed", "incorrect"]
@@ -28,6 +33,11 @@ PeakSource = Literal["calibrated", "datasheet"]
 Source = Literal["measured", "modelled"]
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+__all__ = ["AttentionStats", "CommInfo", "CommLevel", "CommOp", "ContentionInfo", "DeviceState", "Distribution",
+           "ErrorInfo", "FailureKind", "FidelityInfo", "GpuIdentity", "GpuState", "GradError", "GradFidelity",
+           "InputsInfo", "LinkBytes", "MemoryInfo", "PeakInfo", "QualityInfo", "RankComm", "Record", "RecordGit",
+           "RunInfo", "SelectionInfo", "SetupTimes", "Spread", "Status", "StoppedBy", "SuiteInfo", "TimeStats",
+           "Topology", "TrainingInfo"]
 
 
 class TimeStats(BaseModel):
@@ -56,91 +66,14 @@ class MemoryInfo(BaseModel):
     process: MemoryProcess | None = None  # rss_hwm only
 
 
-class CommOp(BaseModel):
-    """Bytes one collective kind moved, summed over its calls (ring accounting, as nccl-tests)."""
-
-    model_config = _STRICT
-    calls: int
-    bytes_total: int  # sent by all ranks
-    bytes_max_rank: int  # sent by the busiest rank
-    time_s: float | None = None  # summed op time on the slowest rank
-    hidden_s: float | None = None  # of which overlapped the rank's compute (the largest over ranks)
-    algbw_gbps: float | None = None
-    busbw_gbps: float | None = None
-
-
-class RankComm(BaseModel):
-    """One rank's share of a distributed step (times per step, averaged over the timed steps).
-
-    comm_s: its ops' time (an op started without waiting: its time in flight); hidden_s: the part of comm_s
-    that overlapped its compute; exposed_s = comm_s - hidden_s; compute_s = step_s - exposed_s (bench.comm,
-    "Overlap"). flops: the useful FLOPs of the pairs it computes. peak_bytes: its memory (memory.method)."""
-
-    model_config = _STRICT
-    rank: int
-    bytes: int
-    flops: float | None = None
-    step_s: float | None = None
-    compute_s: float | None = None
-    comm_s: float | None = None
-    hidden_s: float | None = None
-    exposed_s: float | None = None
-    peak_bytes: int | None = None
-
-
-class CommLevel(BaseModel):
-    """Bytes of the ops counted under one level label (cp_usp: ulysses inside groups, ring across them)."""
-
-    model_config = _STRICT
-    calls: int
-    bytes_total: int
-    bytes_max_rank: int
-    expected_bytes: int | None = None  # the implementation's closed form for the level
-
-
-class Topology(BaseModel):
-    """Where a distributed pair's ranks ran: nodes in order of first appearance over the ranks."""
-
-    model_config = _STRICT
-    nodes: int
-    ranks_per_node: list[int]  # per node
-    node_of_rank: list[int]  # per rank: its node's index
-    node_names: list[str] | None = None  # host names (with torchrun's node rank), or BENCH_NODE
-
-
-class LinkBytes(BaseModel):
-    """Bytes sent between ranks on one node and between ranks on different nodes."""
-
-    model_config = _STRICT
-    intra_node: int
-    inter_node: int
-
-
-class CommInfo(BaseModel):
-    model_config = _STRICT
-    backend: Literal["gloo", "nccl", "model"]
-    bytes_total: int
-    bytes_max_rank: int
-    by_op: dict[str, CommOp]
-    expected_bytes: int | None = None  # the implementation's closed form
-    world_size: int | None = None
-    bytes_per_rank: list[int] | None = None
-    per_rank: list[RankComm] | None = None
-    imbalance: float | None = None  # max / mean of the ranks' useful FLOPs
-    overlap_fraction: float | None = None  # sum of hidden_s / sum of comm_s over ranks, measured
-    overlap_method: Literal["host", "cuda_events"] | None = None  # how hidden_s was measured (bench.comm)
-    by_level: dict[str, CommLevel] | None = None
-    topology: Topology | None = None
-    by_link: LinkBytes | None = None  # counted: each rank's bytes per peer, split by the peers' nodes
-    expected_bytes_by_link: LinkBytes | None = None  # the implementation's closed form, same split
-
-
 class GradError(BaseModel):
     model_config = _STRICT
     max_abs: float | None
     rel_l2: float | None
     tolerance: float
     nonfinite: int = 0
+    reference_rel_l2: float | None = None  # the same-dtype PyTorch reference's, against the same oracle
+    ratio: float | None = None  # rel_l2 / max(reference_rel_l2, the dtype's rounding floor)
 
 
 class ErrorInfo(BaseModel):
@@ -152,6 +85,13 @@ class ErrorInfo(BaseModel):
     nonfinite: int = 0
     grads: dict[str, GradError] | None = None  # dq, dk, dv in mode fwd_bwd
     lse_max_abs: float | None = None  # selections: the log-sum-exp against the oracle's, where the impl returns it
+    # against a same-dtype PyTorch reference (bench.measure.numerics): its rel_l2 to the same oracle, our ratio
+    reference_rel_l2: float | None = None
+    ratio: float | None = None
+    lse_rel_l2: float | None = None
+    lse_reference_rel_l2: float | None = None
+    lse_ratio: float | None = None
+    numerics: Literal["ok", "worse_than_reference"] | None = None  # a ratio above 2 on any tensor
 
 
 class PeakInfo(BaseModel):
@@ -178,19 +118,6 @@ class SetupTimes(BaseModel):
     mask_s: float | None = None  # masks, layouts, lookup tables (FlexAttention's BlockMask, our tile tables)
     compile_s: float | None = None  # compilation and autotuning
     first_call_s: float | None = None
-
-
-class InputsInfo(BaseModel):
-    """Where a case's q, k, v came from (bench.inputs): the kind, the seed, a captured file's path, content hash
-    and layer, and the structured generator's planted needles (how many)."""
-
-    model_config = _STRICT
-    kind: Literal["random", "structured", "file"]
-    seed: int
-    file: str | None = None
-    file_sha256: str | None = None
-    layer: int | None = None
-    needles: int | None = None
 
 
 class Distribution(BaseModel):
@@ -246,6 +173,14 @@ class SelectionInfo(BaseModel):
     share: float | None = None  # selector median over end-to-end median
 
 
+class GradFidelity(BaseModel):
+    """One gradient of a selected attention against dense attention's (bench.measure.grad_fidelity)."""
+
+    model_config = _STRICT
+    rel_l2: float
+    cosine: float | None = None
+
+
 class FidelityInfo(BaseModel):
     """How close a selection's attention is to dense attention under the base pattern (bench.measure.fidelity)."""
 
@@ -258,19 +193,15 @@ class FidelityInfo(BaseModel):
     needles_found: float | None = None
     density: float | None = None
     rows: int
+    grads: dict[str, GradFidelity] | None = None  # fwd_bwd: dq, dk, dv against dense attention's ([R4 3/6])
 
 
-class ContentionInfo(BaseModel):
-    """Was the machine busy while the pair was timed (bench.measure.contention): the readings and the verdict."""
+class RecordGit(BaseModel):
+    """The code that measured a record: its commit and whether tracked files differed from it."""
 
     model_config = _STRICT
-    cpu_pressure: float | None = None  # share of the timed wall time some task waited for a CPU (PSI); null: no PSI
-    load: float | None = None  # 1-minute load average over usable cores
-    cpu_over_wall: float | None = None  # the process's CPU seconds per wall second over the timed calls
-    gpu_throttle: list[str] | None = None  # NVML slowing reasons seen (CUDA only)
-    verdict: Literal["quiet", "busy"]
-    reason: str | None = None  # the reading that made it busy
-    waited_s: float | None = None  # measure.wait_for_quiet_s: seconds waited for quiet before the timing
+    commit: str | None = None
+    dirty: bool | None = None
 
 
 class Record(BaseModel):
@@ -300,7 +231,7 @@ class Record(BaseModel):
     flops_per_s: float | None = None
     peak: PeakInfo | None = None
     config: dict[str, Any] | None = None  # implementation-specific (autotuned config, ...)
-    env: dict[str, Any] | None = None  # device state sampled around the measurement (clocks, throttling)
+    env: DeviceState | None = None  # device state sampled around the measurement (clocks, throttling)
     details: str | None = None  # traceback tail of a failure
     started_at: str | None = None
     wall_s: float | None = None  # wall time spent on this (case, impl), all phases
@@ -311,6 +242,12 @@ class Record(BaseModel):
     selection: SelectionInfo | None = None  # a case with a selector
     fidelity: FidelityInfo | None = None  # a case with a selector
     contention: ContentionInfo | None = None  # measured pairs: was the machine busy while they were timed
+    git: RecordGit | None = None  # the code that measured it (null in records written before R4)
+    time_fwd_s: float | None = None  # fwd_bwd: the forward's median alone (the step's phase split)
+    time_bwd_s: float | None = None  # fwd_bwd: the backward's median alone, after an untimed forward
+    flops_bwd: float | None = None  # fwd_bwd: the backward's useful FLOPs, 2.5x the forward (FlashAttention's)
+    quality: QualityInfo | None = None  # a case with a model: the model scored with this attention ([R4 2/6])
+    training: TrainingInfo | None = None  # a case with a model and train: the training run ([R4 3/6])
 
     @property
     def busy(self) -> bool:

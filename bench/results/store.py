@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from bench.errors import BadInput
-from bench.results.records import SCHEMA_VERSION, Record, RunInfo
+from bench.results.records import SCHEMA_VERSION, Record, RecordGit, RunInfo
 
 RUN_JSON = "run.json"
 RECORDS = "records.jsonl"
@@ -30,7 +30,6 @@ RECORDS = "records.jsonl"
 PART_RE = re.compile(r"^records\.(\d+)of(\d+)\.jsonl$")
 # The one directory of the store that is not a run: `bench calibrate`'s rates per fingerprint (bench.measure.calibrate).
 CALIBRATION_DIR = "calibration"
-RUN_ID_RE = re.compile(r"^\d{8}T\d{6}-[0-9a-z]+-[a-z0-9_-]+$")
 
 
 def utc_now() -> str:
@@ -86,13 +85,17 @@ def create_run_dir(root: Path, suite_name: str, commit: str) -> tuple[str, Path]
 
 
 class RecordWriter:
-    """Appends records to records.jsonl, each flushed and fsynced before `append` returns."""
+    """Appends records to records.jsonl, each flushed and fsynced before `append` returns; `git`: the code that
+    measured them, stamped on every record that does not say it already."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, git: RecordGit | None = None) -> None:
         self.path = Path(path)
+        self.git = git
         self._file = open(self.path, "ab")  # noqa: SIM115 - held open for the run
 
     def append(self, record: Record) -> None:
+        if record.git is None and self.git is not None:
+            record = record.model_copy(update={"git": self.git})
         line = record.to_json().encode("utf-8") + b"\n"
         self._file.write(line)
         self._file.flush()

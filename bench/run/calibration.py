@@ -11,34 +11,34 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from bench.measure.calibrate import MATMUL_DTYPES, QUICK, Settings, calibrate, load
+from bench.results.environment import Calibration
 from bench.run import messages
 from bench.run.child import Child, ChildSide, describe_exit
 
 CALIBRATION_MODULE = "bench.run.calibration"
 
 
-def measure_in_child(device: str, dtypes: list[str], timeout_s: float = 900.0) -> dict[str, Any]:
-    """A quick calibration in a child process (bench.run.child); {"error": ...} instead of raising."""
+def measure_in_child(device: str, dtypes: list[str], timeout_s: float = 900.0) -> Calibration:
+    """A quick calibration in a child process (bench.run.child); one with `error` set instead of raising."""
     child = Child(CALIBRATION_MODULE, ["--device", device, "--quick", "--dtype", ",".join(dtypes)])
     try:
         raw = child.receive(time.monotonic() + timeout_s)
         if raw is None:
             if child.poll() is None:
-                return {"error": f"calibration timed out after {timeout_s:g} s"}
-            return {"error": f"calibration failed ({describe_exit(child.wait(1.0))})"}
+                return Calibration(error=f"calibration timed out after {timeout_s:g} s")
+            return Calibration(error=f"calibration failed ({describe_exit(child.wait(1.0))})")
         answer = messages.Result.model_validate(raw)
         if answer.error or answer.result is None:
-            return {"error": f"calibration failed: {answer.error}"}
-        return {**answer.result, "source": "measured at the start of this run"}
+            return Calibration(error=f"calibration failed: {answer.error}")
+        return answer.result.model_copy(update={"source": "measured at the start of this run"})
     finally:
         child.close(grace_s=5.0)
 
 
 def for_run(calibrate_now: bool, backend: str, dtypes: list[str], results: Path, fingerprint: str
-            ) -> dict[str, Any] | None:
+            ) -> Calibration | None:
     """The calibration a new run uses: measured now when the suite asks, else the stored one, else None."""
     if calibrate_now:
         return measure_in_child(backend, dtypes)

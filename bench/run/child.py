@@ -4,7 +4,7 @@ A child is `python -m MODULE ...` in a session of its own (so its whole process 
 stdout and stderr appended to a log file, a JSON-lines pipe from the child (`--result-fd`) and, when asked, one
 to it (`--task-fd`). No pickle crosses the pipes: messages are the pydantic models of `bench.run.messages`.
 The child dies with its parent (PR_SET_PDEATHSIG), so a killed runner leaves no orphan behind; the one
-exception is `bench ab`'s janitor (bench.run.janitor), whose job is to clean up after a parent killed outright.
+exception is `bench ab`'s janitor (bench.run.ab.janitor), whose job is to clean up after a parent killed outright.
 
 Both sides live here: `Child` is the parent's handle; `ChildSide` is what the child's `main` uses to arm the
 parent-death signal and to send its messages.

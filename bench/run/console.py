@@ -20,9 +20,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from bench.format import format_seconds
+from bench.console.format import format_seconds
+from bench.console.terminal import STATUS_STYLE
 from bench.results.records import Record
-from bench.terminal import STATUS_STYLE
 
 BUSY_MARK = "!"  # a time measured while the machine was busy
 

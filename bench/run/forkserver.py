@@ -27,29 +27,40 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel
+
 from bench.run.child import describe_exit, die_with_parent
 
-Job = Callable[[dict[str, Any]], dict[str, Any]]
+Request = dict[str, Any]  # a job's JSON request (the worker's: a Task)
+Job = Callable[[Request], Any]  # returns a pydantic model or a JSON value
+
+
+class ForkReply(BaseModel):
+    """What a fresh process sent back: its job's answer (JSON), or why there is none (and its traceback)."""
+
+    answer: Any = None
+    error: str | None = None
+    details: str | None = None
 
 
 def _exit_status(status: int) -> str:
     return describe_exit(os.waitstatus_to_exitcode(status))
 
 
-def _run_fresh(job: Job, request: dict[str, Any]) -> dict[str, Any]:
-    """Fork one process for `request`; its answer, or {"error": ...} when it ended without one."""
+def _run_fresh(job: Job, request: Request) -> ForkReply:
+    """Fork one process for `request`; its answer, or the error when it ended without one."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the fresh process
         os.close(read_fd)
         die_with_parent()
-        answer: dict[str, Any]
         try:
-            answer = {"answer": job(request)}
+            answer = job(request)
+            reply = ForkReply(answer=answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
         except BaseException as exc:  # reported to the worker, never raised here
-            answer = {"error": f"{type(exc).__name__}: {exc}", "details": traceback.format_exc()[-4000:]}
+            reply = ForkReply(error=f"{type(exc).__name__}: {exc}", details=traceback.format_exc()[-4000:])
         try:
-            os.write(write_fd, json.dumps(answer).encode())
+            os.write(write_fd, reply.model_dump_json().encode())
         finally:
             os._exit(0)
     os.close(write_fd)
@@ -59,15 +70,15 @@ def _run_fresh(job: Job, request: dict[str, Any]) -> dict[str, Any]:
             chunks.append(chunk)
     _, status = os.waitpid(pid, 0)
     try:
-        return json.loads(b"".join(chunks))
+        return ForkReply.model_validate_json(b"".join(chunks))
     except ValueError:
-        return {"error": f"the fresh process ended without an answer ({_exit_status(status)})"}
+        return ForkReply(error=f"the fresh process ended without an answer ({_exit_status(status)})")
 
 
 def _serve(job: Job, requests: int, answers: int) -> None:
     with os.fdopen(requests, "r", encoding="utf-8") as lines:
         for line in lines:
-            os.write(answers, (json.dumps(_run_fresh(job, json.loads(line))) + "\n").encode())
+            os.write(answers, (_run_fresh(job, json.loads(line)).model_dump_json() + "\n").encode())
 
 
 class ForkServer:
@@ -100,10 +111,10 @@ class ForkServer:
         self._buffer = b""
         self.broken: str | None = None
 
-    def run(self, request: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """{"answer": ...} from the fresh process, or {"error": ...} saying why there is none."""
+    def run(self, request: Request, timeout_s: float | None = None) -> ForkReply:
+        """The fresh process's answer, or the error saying why there is none."""
         if self.broken:
-            return {"error": self.broken}
+            return ForkReply(error=self.broken)
         try:
             os.write(self._requests, (json.dumps(request) + "\n").encode())
         except OSError as exc:
@@ -120,11 +131,11 @@ class ForkServer:
                 return self._break("the fork server died")
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
+        return ForkReply.model_validate_json(line)
 
-    def _break(self, why: str) -> dict[str, Any]:
+    def _break(self, why: str) -> ForkReply:
         self.broken = why
-        return {"error": why}
+        return ForkReply(error=why)
 
     def close(self) -> None:
         """End the server (and a fresh process still running: it dies with it)."""

@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from bench.measure import rank_part
 from bench.measure.task import Task
+from bench.results.environment import Calibration, Environment
 
 PROTOCOL = 2
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -65,20 +67,20 @@ class Samples(BaseModel):
     samples: list[float]
 
 
-class RankPart(BaseModel):
-    """A rank's part of a distributed record (bench.measure.rank)."""
+class RankPartDone(BaseModel):
+    """A rank's part of a distributed record (bench.measure.rank_part)."""
 
     model_config = _STRICT
     type: Literal["part"] = "part"
-    part: dict[str, Any]
+    part: rank_part.RankPart
 
 
 class Result(BaseModel):
-    """A one-shot child's answer (calibration), or why it failed."""
+    """The calibration child's answer, or why it failed."""
 
     model_config = _STRICT
     type: Literal["result"] = "result"
-    result: dict[str, Any] | None = None
+    result: Calibration | None = None
     error: str | None = None
 
 
@@ -112,7 +114,7 @@ class SuiteLoaded(BaseModel):
     file: str | None = None
     root: str = ""
     content: dict[str, Any] = Field(default_factory=dict)
-    env: dict[str, Any] = Field(default_factory=dict)
+    env: Environment = Field(default_factory=Environment)
     plugins: list[tuple[str, str | None]] = Field(default_factory=list)
     timeout_s: float = 300.0
     warmup: int = 1
@@ -130,7 +132,7 @@ class PairInfo(BaseModel):
     config: dict[str, Any] | None = None
 
 
-FromChild = Annotated[Ready | PhaseChanged | RecordDone | Opened | Samples | RankPart | Result | SuiteLoaded
+FromChild = Annotated[Ready | PhaseChanged | RecordDone | Opened | Samples | RankPartDone | Result | SuiteLoaded
                       | PairInfo, Field(discriminator="type")]
 
 # --- to a worker ---
@@ -244,7 +246,7 @@ class MeasureRanksForwarded(BaseModel):
 
 
 class Watch(BaseModel):
-    """To the janitor (bench.run.janitor): when the parent's pipe closes, remove `path` - a git worktree of
+    """To the janitor (bench.run.ab.janitor): when the parent's pipe closes, remove `path` - a git worktree of
     `repo` (`git worktree remove --force`, then `prune`), or a plain directory when `repo` is None."""
 
     model_config = _STRICT
@@ -263,7 +265,7 @@ _TO_WORKER: TypeAdapter[Any] = TypeAdapter(ToWorker)
 _TO_JANITOR: TypeAdapter[Any] = TypeAdapter(Annotated[Watch | Exit, Field(discriminator="type")])
 
 
-def from_child(obj: dict[str, Any]) -> (Ready | PhaseChanged | RecordDone | Opened | Samples | RankPart | Result
+def from_child(obj: dict[str, Any]) -> (Ready | PhaseChanged | RecordDone | Opened | Samples | RankPartDone | Result
                                         | SuiteLoaded | PairInfo):
     """A child's message, validated (pydantic.ValidationError when it is not one)."""
     return _FROM_CHILD.validate_python(obj)

@@ -2,7 +2,7 @@
 
 Both sides live here. The runner calls `run_pair`: it hosts the ranks' rendezvous (a TCPStore on an ephemeral
 port, so parallel runs never collide), starts `python -m bench.run.ranks` P times through `bench.run.child`,
-and reads `Ready`, `PhaseChanged` and then the rank's `RankPart` (bench.measure.rank) from each, which it
+and reads `Ready`, `PhaseChanged` and then the rank's `RankPartDone` (its RankPart) from each, which it
 assembles into one Record.
 
 - A rank that cannot start (a plugin that fails to import) gives a `failed` record with that cause.
@@ -33,7 +33,8 @@ from typing import Any
 
 from bench import registry
 from bench.errors import BadInput
-from bench.measure.steps import describe_failure, failure_kind
+from bench.measure.rank_part import RankPart
+from bench.measure.steps import describe_failure, failure_kind, skip_reason
 from bench.measure.task import Task
 from bench.results.records import FailureKind, Record
 from bench.results.store import utc_now
@@ -79,7 +80,7 @@ class _Rank:
     phase: str = "start"
     ready: bool = False
     start_error: str | None = None
-    part: dict[str, Any] | None = None
+    part: RankPart | None = None
 
 
 def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float,
@@ -97,7 +98,7 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
                       started_at=started, wall_s=time.perf_counter() - t_start, failure=failure)
 
     impl = registry.get(task.impl)
-    why = launch_problem(world, device) or impl.unavailable() or impl.unsupported(Case(**task.case))
+    why = launch_problem(world, device) or skip_reason(impl, Case(**task.case))
     if why:
         return finish("skipped", why)
 
@@ -160,10 +161,10 @@ def _watch(ranks: list[_Rank], timeout_s: float) -> tuple[str, FailureKind] | No
             code = r.child.wait(1.0)
             return f"rank {r.rank} died during {r.phase} ({describe_exit(code)}); all {world} ranks killed", "died"
         parts = [r.part for r in ranks if r.part is not None]
-        failed = [p for p in parts if p["status"] == "failed"]
+        failed = [p for p in parts if p.status == "failed"]
         if failed:
             first_failure_at = first_failure_at or time.monotonic()
-            own_error = any(not p.get("comm_error") for p in failed)
+            own_error = any(not p.comm_error for p in failed)
             if own_error or time.monotonic() - first_failure_at >= FAILURE_GRACE_S:
                 return None  # assemble_record names the rank whose own error came first
         elif len(parts) == world:
@@ -189,7 +190,7 @@ def _take(r: _Rank, message: Any) -> None:
         r.ready, r.start_error = message.error is None, message.error
     elif isinstance(message, messages.PhaseChanged):
         r.phase = message.phase
-    elif isinstance(message, messages.RankPart):
+    elif isinstance(message, messages.RankPartDone):
         r.part = message.part
 
 
@@ -210,7 +211,7 @@ def _timeout_reason(ranks: list[_Rank], timeout_s: float) -> str:
 
 def _stop(ranks: list[_Rank]) -> None:
     """Let ranks that finished leave cleanly, then SIGKILL every rank's process group and reap it."""
-    finished = all(r.part is not None and r.part.get("status") != "failed" for r in ranks)
+    finished = all(r.part is not None and r.part.status != "failed" for r in ranks)
     deadline = time.monotonic() + (EXIT_GRACE_S if finished else 0.0)
     for r in ranks:
         r.child.close(grace_s=max(0.0, deadline - time.monotonic()) if finished else 0.0)
@@ -237,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from bench.measure.rank import RankContext, measure_on_rank
-        from bench.plugins import load_plugin
         from bench.registry import names
+        from bench.spec.plugins import load_plugin
 
         for spec, base in json.loads(args.plugins):
             load_plugin(spec, base_dir=Path(base) if base else None, file="plugin", field=spec)
@@ -267,10 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         part = measure_on_rank(task, ctx, lambda p: side.send(messages.PhaseChanged(phase=p)))
     except Exception as exc:
         reason, details = describe_failure(phase, exc)
-        part = {"rank": rank, "status": "failed", "reason": reason, "details": details, "phase": phase,
-                "failure": failure_kind(exc)}
-    side.send(messages.RankPart(part=part))
-    if part["status"] == "failed":
+        part = RankPart(rank=rank).failed(reason, details, phase, False, failure_kind(exc))
+    side.send(messages.RankPartDone(part=part))
+    if part.status == "failed":
         os._exit(1)  # the group may be broken; the runner ends the other ranks
     dist.destroy_process_group()
     return 0

@@ -25,7 +25,7 @@ from bench.errors import BadInput
 from bench.measure.contention import machine_load
 from bench.measure.env import capture, git_info
 from bench.measure.task import MeasureSettings, Task
-from bench.results.environment import Calibration, LoadAt, RunLoad
+from bench.results.environment import RunLoad
 from bench.results.records import Record, RunInfo, SuiteInfo
 from bench.results.store import (
     RECORDS,
@@ -38,14 +38,16 @@ from bench.results.store import (
     utc_now,
     write_json_atomic,
 )
-from bench.run import calibration, shards, torchrun
+from bench.run import calibration, torchrun
+from bench.run.cluster import shards
+from bench.run.cluster.shards import PartLock, ShardSpec
 from bench.run.console import Reporter, print_summary
+from bench.run.identity import check_run_id, check_same_run, record_git
 from bench.run.ranks import run_pair, simulated_ranks_per_node
-from bench.run.shards import PartLock, ShardSpec
 from bench.run.tasks import Pair, backend_of, failed_record, plugin_specs, select_impls, task_for
 from bench.run.worker import WorkerProcess, WorkerStartError
 from bench.spec.case import resolve_device
-from bench.spec.suite import Suite, load_suite, parse_suite
+from bench.spec.suite import Suite, load_suite
 
 
 @dataclass
@@ -59,6 +61,16 @@ class RunOptions:
     shard: ShardSpec | None = None  # --shard I/N: this process measures that part of the pairs
     run_id: str | None = None  # --run-id: the run the shards share
     rank_group_shards: bool = False  # --rank-group-shards: each world size above 1 a shard of its own, first
+
+
+# CUDA errors after which the process's context is unusable: every later kernel launch fails with the same error.
+STICKY_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                        "misaligned address", "illegal instruction", "an illegal address")
+
+
+def breaks_the_device(reason: str | None) -> bool:
+    """Whether a failed pair's reason is a CUDA error that leaves its worker's context broken."""
+    return reason is not None and any(words in reason for words in STICKY_DEVICE_ERRORS)
 
 
 class PairMeasurer:
@@ -80,7 +92,11 @@ class PairMeasurer:
                 return failed_record(pair, exc.reason, started, "startup")
         outcome = self.worker.run(task, self.timeout_s)
         if outcome.record is not None:
-            return Record.model_validate(outcome.record)
+            record = Record.model_validate(outcome.record)
+            if record.status == "failed" and breaks_the_device(record.reason):
+                self.worker.close()  # every later call in its CUDA context would fail the same way
+                self.worker = None
+            return record
         self.worker = None  # it was killed; the next pair gets a fresh one
         return failed_record(pair, outcome.failure or "worker failed", started, outcome.kind)
 
@@ -109,33 +125,66 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     if session is not None and not session.leader:
         return session.follow()  # the leader (rank 0) announces each pair and writes every record
 
-    part_lock: PartLock | None = None
-    records_file = RECORDS
+    target = _open_target(options, suite, console)
+    mine = {p.key for p in pairs}
+    done = {(r.case_id, r.impl) for r in target.existing}
+    todo = [p for p in pairs if p.key not in done]
+    existing = [r for r in target.existing if (r.case_id, r.impl) in mine]  # a shard reports on its own pairs
+    _build_ahead(impls, todo, options.device, console)
+    try:
+        new_records = _measure_pairs(todo, suite, options, target, session, console, on_record)
+    finally:
+        if session is not None:
+            session.finish()
+        if target.lock is not None:
+            target.lock.release()
+    _finish(target.run_dir, every_pair if options.shard is not None else None)
+    all_records = existing + new_records
+    print_summary(console, all_records, {c.case_id: c.label for c in suite.cases}, impls)
+    console.print(f"results: {target.run_dir}")
+    return 1 if any(r.status in ("failed", "incorrect") for r in all_records) else 0
+
+
+@dataclass
+class _Target:
+    """Where a run's records go: the run directory, the records file (a shard's part), the records the run held
+    already, and a shard's lock on its part."""
+
+    run_dir: Path
+    records_file: str
+    existing: list[Record]
+    lock: PartLock | None = None
+
+
+def _open_target(options: RunOptions, suite: Suite, console: Console) -> _Target:
+    """A new run, a resumed one, or a shard's part of a shared one (each checked for the same identity)."""
     if options.shard is not None:
         run_dir = _join_shard_run(options, suite, console)
-        part_lock = PartLock(run_dir, options.shard)  # refused while another process writes this part
-        records_file = options.shard.part
-        existing = _read_existing(run_dir, records_file, console)
-    elif options.resume is not None:
-        run_dir, existing = _open_for_resume(options.resume, suite, console)
-    else:
-        run_dir, existing = _create_run(options, suite, console), []
-    done = {(r.case_id, r.impl) for r in existing}
-    todo = [p for p in pairs if p.key not in done]
-    mine = {p.key for p in pairs}
-    existing = [r for r in existing if (r.case_id, r.impl) in mine]  # a shard reports on its own pairs
+        lock = PartLock(run_dir, options.shard)  # refused while another process writes this part
+        return _Target(run_dir, options.shard.part, _read_existing(run_dir, options.shard.part, console), lock)
+    if options.resume is not None:
+        run_dir, existing = _open_for_resume(options, suite, console)
+        return _Target(run_dir, RECORDS, existing)
+    return _Target(_create_run(options, suite, console), RECORDS, [])
 
+
+def _measure_pairs(todo: list[Pair], suite: Suite, options: RunOptions, target: _Target,
+                   session: torchrun.Session | None, console: Console,
+                   on_record: Callable[[Record], None] | None) -> list[Record]:
+    """Measure each pair (a worker for single-process pairs, fresh ranks or torchrun's for distributed ones),
+    each record appended to disk as soon as it exists."""
+    run_dir = target.run_dir
+    info = read_run_info(run_dir)
     labels = {c.case_id: c.label for c in suite.cases}
     plugins = plugin_specs(suite)
-    settings = MeasureSettings(**suite.measure.model_dump(), calibration=read_run_info(run_dir).env.calibration)
-    _build_ahead(impls, todo, options.device, console)
+    settings = MeasureSettings(**suite.measure.model_dump(), calibration=info.env.calibration)
     reporter = Reporter(len(todo), console)
     previous_run_dir = os.environ.get(registry.RUN_DIR_ENV)
     os.environ[registry.RUN_DIR_ENV] = str(run_dir)  # children inherit it: logs they write belong to the run
     new_records: list[Record] = []
     measurer = PairMeasurer(plugins, run_dir / "worker.log", suite.measure.timeout_s)
     try:
-        with RecordWriter(run_dir / records_file) as writer:
+        with RecordWriter(run_dir / target.records_file, record_git(info.env.git)) as writer:
             for pair in todo:
                 task = task_for(pair, options.device, settings)
                 reporter.start(labels[pair.case.case_id], pair.impl)
@@ -154,20 +203,11 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     finally:
         reporter.close()
         measurer.close()
-        if session is not None:
-            session.finish()
-        if part_lock is not None:
-            part_lock.release()
         if previous_run_dir is None:
             os.environ.pop(registry.RUN_DIR_ENV, None)
         else:
             os.environ[registry.RUN_DIR_ENV] = previous_run_dir
-
-    _finish(run_dir, every_pair if options.shard is not None else None)
-    all_records = existing + new_records
-    print_summary(console, all_records, labels, impls)
-    console.print(f"results: {run_dir}")
-    return 1 if any(r.status in ("failed", "incorrect") for r in all_records) else 0
+    return new_records
 
 
 def _build_ahead(impls: list[str], todo: list[Pair], device: str | None, console: Console) -> None:
@@ -190,8 +230,8 @@ def _finish(run_dir: Path, every_pair: set[tuple[str, str]] | None) -> None:
             if not every_pair <= held:
                 return
         info = read_run_info(run_dir)
-        load = {**(info.env.load.model_dump(mode="json") if info.env.load else {}), "end": machine_load()}
-        env = info.env.model_copy(update={"load": RunLoad.model_validate(load)})
+        start = info.env.load.start if info.env.load else None
+        env = info.env.model_copy(update={"load": RunLoad(start=start, end=machine_load())})
         finished = info.model_copy(update={"env": env}).model_dump(mode="json", by_alias=True)
         write_json_atomic(run_dir / RUN_JSON, {**finished, "finished_at": utc_now()})
 
@@ -204,21 +244,27 @@ def _join_shard_run(options: RunOptions, suite: Suite, console: Console) -> Path
         if not (run_dir / RUN_JSON).is_file():
             raise BadInput("not a run directory (no run.json)", file=str(run_dir), field="--resume")
     else:
-        env_commit = git_info().get("commit") if options.run_id is None else None
-        run_id = shards.check_run_id(options.run_id, suite.name) if options.run_id is not None \
+        env_commit = git_info().commit if options.run_id is None else None
+        run_id = check_run_id(options.run_id) if options.run_id is not None \
             else shards.derived_run_id(suite.name, env_commit)
         run_dir = options.out / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
     with shards.run_lock(run_dir):
         if not (run_dir / RUN_JSON).exists():
             _write_run_info(options, suite, console, run_dir.name, run_dir)
-    _check_same_suite(run_dir, suite, "--run-id" if options.resume is None else "--resume")
+    _check_same_run(run_dir, suite, options.device, "--run-id" if options.resume is None else "--resume")
     return run_dir
 
 
 def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
-    commit = git_info().get("commit") or "nogit"
-    run_id, run_dir = create_run_dir(options.out, suite.name, commit)
+    if options.run_id is not None:  # a name given by hand: a new run, never a join (that is --resume)
+        run_id, run_dir = check_run_id(options.run_id), options.out / options.run_id
+        if (run_dir / RUN_JSON).exists():
+            raise BadInput(f"run {run_id!r} exists already in {options.out}; add to it with --resume {run_dir}, or "
+                           "give another --run-id", field="--run-id")
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        run_id, run_dir = create_run_dir(options.out, suite.name, git_info().commit or "nogit")
     _write_run_info(options, suite, console, run_id, run_dir)
     (run_dir / RECORDS).touch()
     return run_dir
@@ -227,42 +273,25 @@ def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
 def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id: str, run_dir: Path) -> None:
     backend = backend_of(suite, options.device)
     env = capture(backend=backend)
-    env = env.model_copy(update={"load": RunLoad(start=LoadAt.model_validate(machine_load()))})
+    env = env.model_copy(update={"load": RunLoad(start=machine_load())})
     if suite.measure.calibrate:
         console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
     dtypes = sorted({c.dtype for c in suite.cases})
     calibrated = calibration.for_run(suite.measure.calibrate, backend, dtypes, options.out, env.fingerprint or "")
     if calibrated is not None:
-        env = env.model_copy(update={"calibration": Calibration.model_validate(calibrated)})
-        if calibrated.get("error"):
-            console.print(f"[yellow]warning:[/] {calibrated['error']}; peaks fall back to datasheets")
+        env = env.model_copy(update={"calibration": calibrated})
+        if calibrated.error:
+            console.print(f"[yellow]warning:[/] {calibrated.error}; peaks fall back to datasheets")
     suite_file = str(suite.path) if suite.path else None
     info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite.name, file=suite_file, content=suite.content),
                    started_at=utc_now(), finished_at=None, env=env, command=sys.argv[1:] or None)
     write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json", by_alias=True))
 
 
-def _check_same_suite(run_dir: Path, suite: Suite, option: str) -> None:
-    info = read_run_info(run_dir)
-    if info.source != "measured":
-        raise BadInput(f"a {info.source} run (bench model); only measured runs can be resumed",
-                       file=str(run_dir), field=option)
-    if info.suite.name != suite.name or not _same_content(info.suite.content, suite):
-        raise BadInput(f"the run was made from suite {info.suite.name!r} with other content than {suite.name!r} "
-                       "here; resume or join it with the same suite file", file=str(run_dir), field=option)
-
-
-def _same_content(stored: dict, suite: Suite) -> bool:
-    """Whether a run's stored suite content is this suite's: equal, or equal once read through today's schema
-    (a field added since, with its default, must not stop a run from being resumed)."""
-    if stored == suite.content:
-        return True
-    try:
-        again = parse_suite(stored, file=str(suite.path or "<suite>"),
-                            base_dir=suite.path.parent if suite.path else None)
-    except BadInput:
-        return False
-    return again.content == suite.content
+def _check_same_run(run_dir: Path, suite: Suite, device: str | None, option: str) -> None:
+    """BadInput naming what differs when this process may not add records to the run (bench.run.identity)."""
+    here = capture(backend=backend_of(suite, device))
+    check_same_run(read_run_info(run_dir), suite, here, str(run_dir), option)
 
 
 def _read_existing(run_dir: Path, own: str, console: Console) -> list[Record]:
@@ -275,8 +304,12 @@ def _read_existing(run_dir: Path, own: str, console: Console) -> list[Record]:
     return read_run_records(run_dir).records
 
 
-def _open_for_resume(run_dir: Path, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
-    _check_same_suite(run_dir, suite, "--resume")
+def _open_for_resume(options: RunOptions, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
+    run_dir = options.resume
+    assert run_dir is not None
+    if not (run_dir / RUN_JSON).is_file():
+        raise BadInput("not a run directory (no run.json)", file=str(run_dir), field="--resume")
+    _check_same_run(run_dir, suite, options.device, "--resume")
     # One record per pair over every part; if an earlier resume raced, the first written wins.
     return run_dir, _read_existing(run_dir, RECORDS, console)
 

@@ -1,6 +1,6 @@
 """A run's pairs and the tasks sent to children: which implementations, which device, which plugins.
 
-Apart from the runner so that `bench ab`'s suite loading in a worker (bench.run.ab_suite) uses the same pairs and
+Apart from the runner so that `bench ab`'s suite loading in a worker (bench.run.ab.suite) uses the same pairs and
 tasks without importing the runner, which imports the worker.
 """
 

@@ -24,7 +24,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from bench.measure.steps import describe_failure
+from bench.measure.rank_part import RankPart
+from bench.measure.steps import describe_failure, skip_reason
 from bench.measure.task import Task
 from bench.results.records import Record
 from bench.results.store import utc_now
@@ -74,16 +75,15 @@ class Session:
 
         started, t0 = utc_now(), time.perf_counter()
         world = int(task.case["world_size"])
-        skip_reason = None
+        why = None
         if world > self.world_size:
-            skip_reason = f"world_size {world} needs {world} ranks; the launcher started {self.world_size}"
+            why = f"world_size {world} needs {world} ranks; the launcher started {self.world_size}"
         elif world > 1:
-            impl = registry.get(task.impl)
-            skip_reason = impl.unavailable() or impl.unsupported(Case(**task.case))
-        self._broadcast({"task": task.model_dump(mode="json"), "skip": skip_reason})
-        if skip_reason is not None:
+            why = skip_reason(registry.get(task.impl), Case(**task.case))
+        self._broadcast({"task": task.model_dump(mode="json"), "skip": why})
+        if why is not None:
             return Record(case_id=task.case_id, impl=task.impl, params=task.params, status="skipped",
-                          reason=skip_reason, started_at=started, wall_s=time.perf_counter() - t0)
+                          reason=why, started_at=started, wall_s=time.perf_counter() - t0)
         if world == 1:
             return None
         parts = self._run(task)
@@ -117,7 +117,7 @@ class Session:
         self.dist.broadcast_object_list(box, src=0, group=self.coord)
         return box[0]
 
-    def _run(self, task: Task) -> list[dict[str, Any] | None]:
+    def _run(self, task: Task) -> list[RankPart | None]:
         """Every rank: build the pair's groups, measure on ranks 0..P-1, gather the parts to the leader."""
         dist = self.dist
         world, device = int(task.case["world_size"]), str(task.case["device"])
@@ -126,20 +126,20 @@ class Session:
         backend = backend_for(device)
         group = dist.new_group(members, backend=backend, timeout=timeout)
         control = dist.new_group(members, backend="gloo", timeout=timeout)
-        part: dict[str, Any] | None = None
+        part: RankPart | None = None
         if self.rank < world:
             faulthandler.dump_traceback_later(self.timeout_s + WATCHDOG_MARGIN_S, exit=True, file=sys.stderr)
             try:
                 from bench.measure.rank import RankContext, measure_on_rank
 
                 ctx = RankContext(dist.get_rank(group), world, group, control, backend, device)
-                part = dict(measure_on_rank(task, ctx))
+                part = measure_on_rank(task, ctx)
             except Exception as exc:
                 reason, details = describe_failure("start", exc)
-                part = {"rank": self.rank, "status": "failed", "reason": reason, "details": details}
+                part = RankPart(rank=self.rank).failed(reason, details, "start", False, "error")
             finally:
                 faulthandler.cancel_dump_traceback_later()
-        parts: list[dict[str, Any] | None] | None = [None] * self.world_size if self.leader else None
+        parts: list[RankPart | None] | None = [None] * self.world_size if self.leader else None
         dist.gather_object(part, parts, dst=0, group=self.coord)
         if self.rank < world:
             dist.destroy_process_group(group)

@@ -17,19 +17,20 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from bench.measure.task import Task
-from bench.results.records import FailureKind
+from bench.results.records import FailureKind, MemoryInfo
 from bench.run import messages
 from bench.run.child import STARTUP_TIMEOUT_S, Child, ChildSide, describe_exit
 from bench.run.forkserver import ForkServer
 
 if TYPE_CHECKING:
-    from bench.measure.pair import FreshMemory
+    from bench.measure.fresh_memory import FreshMemory
 
 WORKER_MODULE = "bench.run.worker"
 
@@ -234,7 +235,7 @@ def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None,
             side.send(messages.RecordDone(record=session.close_blocks().model_dump(mode="json")))
             session = None
         elif isinstance(message, messages.LoadSuite):
-            from bench.run.ab_suite import load_for_ab
+            from bench.run.ab.suite import load_for_ab
 
             loaded_suite = load_for_ab(message)
             loaded = list(dict.fromkeys([*loaded, *loaded_suite.plugins]))
@@ -248,8 +249,7 @@ def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None,
             side.send(messages.Samples(samples=[]))
         elif isinstance(message, messages.Describe):
             assert session is not None, "describe without an open pair"
-            side.send(messages.PairInfo(interpreter=bool(session.base.get("interpreter", False)),
-                                        config=session.base.get("config")))
+            side.send(messages.PairInfo(interpreter=session.draft.interpreter, config=session.draft.config))
         elif isinstance(message, messages.MeasureRanks):
             from bench.run.ranks import run_pair
 
@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import json
 
-        from bench.plugins import load_plugin
         from bench.registry import names
+        from bench.spec.plugins import load_plugin
 
         for spec, base in json.loads(args.plugins):
             load_plugin(spec, base_dir=Path(base) if base else None, file="plugin", field=spec)
@@ -289,11 +289,22 @@ def main(argv: list[str] | None = None) -> int:
     side.send(messages.Ready())
     try:
         return serve(side, [(str(spec), base) for spec, base in json.loads(args.plugins)],
-                     None if server is None else lambda task: server.run(task.model_dump(mode="json"),
-                                                                         task.measure.timeout_s))
+                     None if server is None else partial(fresh_memory, server))
     finally:
         if server is not None:
             server.close()
+
+
+def fresh_memory(server: ForkServer, task: Task, selection_file: str | None = None) -> MemoryInfo:
+    """The task's memory figure measured in a process the server forks for it (with a reference selection's
+    file); FreshMemoryFailed saying why not."""
+    from bench.measure.fresh_memory import FreshMemoryFailed, FreshRequest
+
+    request = FreshRequest(task=task, selection_file=selection_file)
+    reply = server.run(request.model_dump(mode="json"), task.measure.timeout_s)
+    if reply.error is not None or reply.answer is None:
+        raise FreshMemoryFailed(reply.error or "the fresh process sent no figure")
+    return MemoryInfo.model_validate(reply.answer)
 
 
 def _fork_server(side: ChildSide) -> ForkServer | None:
@@ -301,7 +312,7 @@ def _fork_server(side: ChildSide) -> ForkServer | None:
     before any task has run; None where this system cannot fork (memory is then measured in the worker)."""
     if not hasattr(os, "fork"):
         return None
-    from bench.measure.pair import memory_alone
+    from bench.measure.fresh_memory import memory_alone
 
     return ForkServer(memory_alone, close_fds=tuple(fd for fd in (side.result_fd, side.task_fd) if fd is not None))
 

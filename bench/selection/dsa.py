@@ -49,7 +49,7 @@ def indexer_weights(seed: int, heads: int, kv_heads: int, head_dim: int) -> tupl
     return proj, gate, reads
 
 
-@register_selector("dsa", q_unit="row", kv_unit="token", shared="all")
+@register_selector("dsa", q_unit="row", kv_unit="token", shared="all", takes="budget")
 def dsa(q: Tensor, k: Tensor, case: Any) -> Tensor:
     """DSA: per row, the `budget` tokens of largest sum_j w_j ReLU(q^I_j . k^I) (a seeded lightning indexer)."""
     b, h, q_len, d = q.shape

@@ -23,7 +23,7 @@ from bench.selection.registry import register_selector
 from bench.selection.units import grouped_scores, per_row_topk, unit_means
 
 
-@register_selector("moba", q_unit="row", kv_unit="block", shared="head")
+@register_selector("moba", q_unit="row", kv_unit="block", shared="head", takes="budget")
 def moba(q: Tensor, k: Tensor, case: Any) -> Tensor:
     """MoBA: per row and head, the `budget` key blocks of largest q . mean(block keys), its own block forced."""
     bs = case.block_size

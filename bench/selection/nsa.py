@@ -31,7 +31,7 @@ from bench.selection.registry import register_selector
 from bench.selection.units import grouped_scores, per_row_topk, unit_means
 
 
-@register_selector("nsa", q_unit="row", kv_unit="block", shared="kv_group")
+@register_selector("nsa", q_unit="row", kv_unit="block", shared="kv_group", takes="budget")
 def nsa(q: Tensor, k: Tensor, case: Any) -> Tensor:
     """NSA: per row and KV group, the `budget` blocks of most compressed attention, first and local forced."""
     b, h, _, d = q.shape

@@ -7,8 +7,10 @@ record's `fidelity.oracle_recall`, which the harness computes at the selector's 
 (`oracle_topk_indices`). `oracle_topp` keeps the fewest units whose mass reaches `threshold` of the unit's total
 (top-p, as XAttention's threshold is meant to).
 
-Both compute the dense scores, q.k/sqrt(D) in float32, in chunks of query units: they cost as much as dense
-attention, and stand apart from the fast selectors as the oracle does from the implementations.
+Both compute the dense scores, q.k/sqrt(D) in float32, in chunks of query units, over the keys each chunk may
+attend to: they cost about as much as dense attention, and stand apart from the fast selectors as the oracle does
+from the implementations. oracle_topk chooses a unit whose float32 masses leave a near tie at its budget's
+boundary on float64 masses, so that rounding never decides what the yardstick keeps.
 """
 
 from __future__ import annotations
@@ -25,20 +27,43 @@ from bench.selection.registry import register_selector
 from bench.selection.units import allowed_units, budget_counts, topk_indices
 
 CHUNK_ELEMENTS = 1 << 26  # float32 scores held at once (B * H * rows * N)
+# A unit's float32 mass is trusted to this share of its query unit's total mass (a sum of q_unit x group rows of
+# one each): float32 softmax terms carry ~1e-7 relative error and a row sums up to N of them, so the error of a
+# unit's mass stays orders of magnitude below this. Where the last kept and the first dropped unit are closer than
+# that, the masses are computed again in float64 before choosing.
+TIE_TOLERANCE = 1e-5
+# Query units are taken in at least this many chunks, each over the span of keys its rows may attend to: a causal
+# pattern's chunks then skip about half the keys, a window's all but its band.
+SPAN_CHUNKS = 8
+
+
+def _key_span(mask: Tensor, kv_unit: int, n: int) -> tuple[int, int]:
+    """[lo, hi) of the keys any row of `mask` (c, N) allows, widened to whole key units (hi may pass N)."""
+    cols = mask.any(dim=0).nonzero()
+    if cols.numel() == 0:
+        return 0, 0
+    lo, hi = int(cols[0]), int(cols[-1]) + 1
+    return lo // kv_unit * kv_unit, math.ceil(hi / kv_unit) * kv_unit
 
 
 def unit_masses(q: Tensor, k: Tensor, pattern: Any, q_unit: int, kv_unit: int, shared: str,
-                units: Tensor | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yields (query units (u,), masses float32 (B, H_sel, u, KU)): dense attention's mass per key unit, summed
-    over each unit's rows and the heads that share a selection; `units` (sorted) limits the query units."""
+                units: Tensor | None = None, dtype: torch.dtype = torch.float32
+                ) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yields (query units (u,), masses (B, H_sel, u, KU) in `dtype`): dense attention's mass per key unit, summed
+    over each unit's rows and the heads that share a selection; `units` (sorted) limits the query units.
+
+    Per chunk of query units only the span of keys its rows may attend to is computed (a causal chunk skips the
+    keys after it, a window all but its band), and the probabilities are made in place: exp(s - max) per row,
+    summed per key unit, each row divided by its sum."""
     b, h, q_len, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = h // hkv
     q_units, kv_units = math.ceil(q_len / q_unit), math.ceil(n / kv_unit)
     units = torch.arange(q_units) if units is None else units.to(torch.int64).cpu()
     per_chunk = max(1, CHUNK_ELEMENTS // max(1, b * h * n * q_unit))
+    per_chunk = min(per_chunk, max(1, math.ceil(len(units) / SPAN_CHUNKS)))
     keys = torch.arange(n)
-    kt = k.float().transpose(-1, -2)
+    kt = k.to(dtype).transpose(-1, -2)
     scale = 1.0 / math.sqrt(d)
     h_sel = selection_heads(shared, h, hkv)
     for start in range(0, len(units), per_chunk):
@@ -47,34 +72,70 @@ def unit_masses(q: Tensor, k: Tensor, pattern: Any, q_unit: int, kv_unit: int, s
         valid = rows < q_len
         rows = rows.clamp(max=q_len - 1)
         mask = pattern.mask(rows[:, None], keys[None, :]) & valid[:, None]  # (c, N)
-        qg = q[:, :, rows.to(q.device)].float().reshape(b, hkv, group * len(rows), d)
-        scores = (qg @ kt * scale).view(b, h, len(rows), n)
-        scores = scores.masked_fill(~mask.to(scores.device), -math.inf)
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row without keys has no mass
-        probs = torch.nn.functional.pad(probs, (0, kv_units * kv_unit - n))
-        per_unit = probs.view(b, h, len(chunk), q_unit, kv_units, kv_unit).sum(dim=(3, 5))  # (B, H, u, KU)
-        yield chunk, per_unit.view(b, h_sel, h // h_sel, len(chunk), kv_units).sum(dim=2)
+        lo, hi = _key_span(mask, kv_unit, n)
+        out = torch.zeros(b, h_sel, len(chunk), kv_units, dtype=dtype, device=q.device)
+        if hi > lo:
+            span = min(hi, n) - lo
+            qg = q[:, :, rows.to(q.device)].to(dtype).reshape(b, hkv, group * len(rows), d)
+            scores = (qg @ kt[..., lo : lo + span]).mul_(scale).view(b, h, len(rows), span)
+            scores.masked_fill_(~mask[:, lo : lo + span].to(scores.device), -math.inf)
+            top = scores.amax(dim=-1, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row without keys: all zero
+            probs = scores.sub_(top).exp_()
+            if hi - lo > span:  # the last key unit passes the sequence's end
+                probs = torch.nn.functional.pad(probs, (0, hi - lo - span))
+            per_row = probs.view(b, h, len(rows), (hi - lo) // kv_unit, kv_unit).sum(dim=-1)  # (B, H, c, KUspan)
+            total = per_row.sum(dim=-1, keepdim=True)
+            per_row = per_row / torch.where(total > 0, total, torch.ones_like(total))
+            per_unit = per_row.view(b, h, len(chunk), q_unit, -1).sum(dim=3)  # (B, H, u, KUspan)
+            out[..., lo // kv_unit : hi // kv_unit] = per_unit.view(b, h_sel, h // h_sel, len(chunk), -1).sum(dim=2)
+        yield chunk, out
+
+
+def _near_ties(masses: Tensor, wanted: Tensor) -> Tensor:
+    """bool (B, H_sel, u): whether the last unit kept and the first dropped are within TIE_TOLERANCE of the unit's
+    total mass (masses: -inf where not allowed)."""
+    k = int(wanted.max()) if wanted.numel() else 0
+    if k == 0 or k >= masses.shape[-1]:
+        return torch.zeros(masses.shape[:-1], dtype=torch.bool, device=masses.device)
+    top = masses.topk(k + 1, dim=-1).values  # (..., k + 1), descending
+    at = wanted.clamp(min=1, max=k).unsqueeze(-1).to(torch.int64)
+    last_kept, first_dropped = top.gather(-1, at - 1), top.gather(-1, at)
+    total = masses.clamp_min(0).nan_to_num(0.0).sum(dim=-1, keepdim=True)
+    close = (last_kept - first_dropped).abs() <= TIE_TOLERANCE * total
+    return (close & torch.isfinite(first_dropped) & (wanted.unsqueeze(-1) > 0)).squeeze(-1)
 
 
 def oracle_topk_indices(q: Tensor, k: Tensor, pattern: Any, q_unit: int, kv_unit: int, shared: str,
                         counts: Tensor, units: Tensor | None = None) -> Tensor:
     """int32 (B, H_sel, units, K): per query unit the counts[b, h_sel, unit] (or counts[unit]) key units of most
-    dense mass among those the pattern allows, -1 padded (K = counts.max())."""
+    dense mass among those the pattern allows, -1 padded (K = counts.max()). Masses in float32; a query unit whose
+    choice rests on a near tie (`_near_ties`) is chosen on its float64 masses."""
     allowed = allowed_units(pattern, q_unit, kv_unit)
     chunks = []
     for chunk, masses in unit_masses(q, k, pattern, q_unit, kv_unit, shared, units):
         masses = masses.masked_fill(~allowed[chunk].to(masses.device), -math.inf)
         wanted = counts[..., chunk] if counts.dim() > 1 else counts[chunk]
+        wanted = wanted.to(masses.device).expand(masses.shape[:-1])
+        ties = _near_ties(masses, wanted).any(dim=(0, 1))  # (u,): the query units to look at again
+        if bool(ties.any()):
+            again = chunk[ties.cpu()]
+            exact = torch.cat([m for _, m in unit_masses(q, k, pattern, q_unit, kv_unit, shared, again,
+                                                         torch.float64)], dim=2)
+            exact = exact.masked_fill(~allowed[again].to(exact.device), -math.inf)
+            masses = masses.double()
+            masses[:, :, ties.to(masses.device)] = exact
         chunks.append((masses, wanted))
     k_max = max((int(w.max()) for _, w in chunks), default=0)
     out = []
     for masses, wanted in chunks:
-        picked = topk_indices(masses, wanted.to(masses.device).expand(masses.shape[:-1]))
+        picked = topk_indices(masses, wanted)
         out.append(torch.nn.functional.pad(picked, (0, k_max - picked.shape[-1]), value=-1))
     return torch.cat(out, dim=2)
 
 
-@register_selector("oracle_topk", q_unit="block", kv_unit="block", shared="head", reference=True)
+@register_selector("oracle_topk", q_unit="block", kv_unit="block", shared="head", takes="budget",
+                   reference=True)
 def oracle_topk(q: Tensor, k: Tensor, case: Any) -> Tensor:
     """The budget key blocks of most dense attention mass per (head, query block): the best recall any selector of
     that budget can reach (dense scores computed, so it costs dense attention)."""

@@ -39,7 +39,7 @@ def page_extremes(k: Tensor, page: int) -> tuple[Tensor, Tensor]:
     return low, high
 
 
-@register_selector("quest", q_unit="row", kv_unit="page", shared="head")
+@register_selector("quest", q_unit="row", kv_unit="page", shared="head", takes="budget")
 def quest(q: Tensor, k: Tensor, case: Any) -> Tensor:
     """Quest: per row and head, the `budget` pages of largest sum_d max(q_d min_d, q_d max_d), its own forced."""
     page = unit_size("page", case.block_size, getattr(case, "page_size", None))

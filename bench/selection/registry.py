@@ -17,14 +17,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from bench.plugins import source_of
 from bench.selection.base import SHARED, Selection, unit_size
+from bench.spec.plugins import source_of
 
 if TYPE_CHECKING:
     from bench.spec.case import Case
 
 SelectorFn = Callable[[Tensor, Tensor, Any], Tensor]
-Takes = Literal["budget", "threshold"]
+# What a selector keeps: a `budget` of units (required), a `threshold` of mass (required), None: a fixed
+# selector (its cases take neither, and their ids carry none), or, when registered without saying, a budget
+# if the case gives one (a selector that reads case.budget) and a fixed selection otherwise.
+Takes = Literal["budget", "threshold", "optional_budget"] | None
+TAKES: tuple[str | None, ...] = ("budget", "threshold", "optional_budget", None)
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,16 @@ SELECTORS: dict[str, SelectorInfo] = {}
 
 
 def register_selector(name: str, *, q_unit: str = "block", kv_unit: str = "block", shared: str = "head",
-                      takes: Takes = "budget", description: str = "", reference: bool = False
+                      takes: Takes = "optional_budget", description: str = "", reference: bool = False
                       ) -> Callable[[SelectorFn], SelectorFn]:
     """Decorator adding a selector `fn(q, k, case) -> indices` under `name` (unique)."""
     if not isinstance(name, str) or not name or not name.replace("_", "").isalnum() or name != name.lower():
         raise ValueError(f"a selector's name is lowercase letters, digits and '_', got {name!r}")
     checks = {"q_unit": (q_unit, ("row", "block")), "kv_unit": (kv_unit, ("token", "block", "page")),
-              "shared": (shared, SHARED), "takes": (takes, ("budget", "threshold"))}
+              "shared": (shared, SHARED), "takes": (takes, TAKES)}
     for field, (value, allowed) in checks.items():
         if value not in allowed:
-            raise ValueError(f"selector {name!r}: {field} {value!r}; allowed: {', '.join(allowed)}")
+            raise ValueError(f"selector {name!r}: {field} {value!r}; allowed: {', '.join(map(str, allowed))}")
 
     def add(fn: SelectorFn) -> SelectorFn:
         if not callable(fn):
@@ -89,8 +93,8 @@ def selector_names() -> list[str]:
 
 
 def _load_builtin() -> None:
-    from bench.plugins import load_entry_points
-    from bench.selection import builtin, oracle  # noqa: F401 - registers the built-in selectors
+    from bench.selection import builtin, oracle, oracle_rows  # noqa: F401 - registers the built-in selectors
+    from bench.spec.plugins import load_entry_points
 
     load_entry_points()
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from bench.inputs import InputsShape, InputsSpec
+from bench.models.spec import BUILTIN_MODELS, TaskSpec, TrainSpec, model_label, model_sha256
 from bench.patterns import PATTERN_FIELDS, Pattern, ScoreMod, make_pattern, make_score_mod
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -23,7 +24,8 @@ _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 LATER_FIELDS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": None, "prefix": 0,
                                 "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None,
                                 "inputs": "random", "selector": None, "budget": None, "threshold": None,
-                                "page_size": None, "kv_lens": None, "score_mod": "none", "softcap": None}
+                                "page_size": None, "kv_lens": None, "score_mod": "none", "softcap": None,
+                                "model": None, "task": None, "samples": 100, "layers": None, "train": None}
 CP_LAYOUTS = ("contiguous", "zigzag")
 RANDOM_INPUTS = InputsSpec()  # frozen: one shared default
 
@@ -68,9 +70,21 @@ class Case:
     # `softcap`), alibi, relative_bias, or a registered name
     score_mod: str = "none"
     softcap: float | None = None
+    # model quality (bench.models.spec): the language model the case's attention is swapped into (a built-in's
+    # name or a resolved directory), its task, the samples scored, the layers swapped (None: all), and a
+    # training run (R4 3/6)
+    model: str | None = None
+    task: TaskSpec | None = None
+    samples: int = 100
+    layers: tuple[int, ...] | None = None
+    train: TrainSpec | None = None
 
     def __post_init__(self) -> None:
-        for name in ("documents", "kv_lens"):  # frozen and hashable: lengths as a tuple
+        if self.task is not None and not isinstance(self.task, TaskSpec):
+            object.__setattr__(self, "task", TaskSpec.parse(self.task))
+        if isinstance(self.train, dict):
+            object.__setattr__(self, "train", TrainSpec.model_validate(self.train))
+        for name in ("documents", "kv_lens", "layers"):  # frozen and hashable: lengths as a tuple
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.softcap, int) and not isinstance(self.softcap, bool):  # 50 and 50.0: one id
@@ -85,10 +99,12 @@ class Case:
     def params(self) -> dict[str, Any]:
         """Every case field, in declaration order (the record's `params`); document lengths as a list."""
         out = asdict(self)
-        for name in ("documents", "kv_lens"):
+        for name in ("documents", "kv_lens", "layers"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
         out["inputs"] = self.inputs.to_param()
+        out["task"] = self.task.to_param() if self.task is not None else None
+        out["train"] = self.train.model_dump() if self.train is not None else None
         return out
 
     @property
@@ -160,6 +176,10 @@ class Case:
                 del params[name]
         if "inputs" in params:
             params["inputs"] = self.inputs.digest_param()  # a captured file by its content, not its path
+        if "model" in params and self.model is not None and self.model not in BUILTIN_MODELS:
+            params["model"] = {"sha256": model_sha256(self.model)}  # a directory by its content, not its path
+        if "task" in params and self.task is not None:
+            params["task"] = self.task.digest_param()
         return params
 
     @property
@@ -186,6 +206,8 @@ class Case:
             parts.append(f"pg{self.page_size}" + ("-ragged" if self.kv_lens is not None else ""))
         if self.score_mod_label():
             parts.append(self.score_mod_label().replace("_", ""))
+        if self.model is not None:
+            parts.append(self.model_label().replace(" ", "-"))
         parts.append(digest)
         return "-".join(parts)
 
@@ -205,6 +227,7 @@ class Case:
         if self.page_size is not None:
             selection += f" pages of {self.page_size}" + (" ragged" if self.kv_lens is not None else "")
         selection += f" {self.score_mod_label()}" if self.score_mod_label() else ""
+        selection += f" {self.model_label()}" if self.model is not None else ""
         return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "
                 f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}{inputs}{selection}")
 
@@ -215,6 +238,14 @@ class Case:
         amount = f" k{self.budget:g}" if self.budget is not None else ""
         amount += f" t{self.threshold:g}" if self.threshold is not None else ""
         return f"{self.selector}{amount}"
+
+    def model_label(self) -> str:
+        """`micro-mqar mqar` (with `train200` for a training run); '' without a model."""
+        if self.model is None:
+            return ""
+        task = self.task.label() if self.task is not None else "task"
+        train = f" train{self.train.steps}" if self.train is not None else ""
+        return f"{model_label(self.model)} {task}{train}"
 
     def with_device(self, device: str) -> Case:
         return replace(self, device=device)

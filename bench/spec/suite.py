@@ -29,11 +29,11 @@ from pydantic import (
 from bench.errors import BadInput
 from bench.inputs import InputsError, InputsSpec
 from bench.inputs import files as input_files
-from bench.patterns import PATTERNS, PatternError
-from bench.patterns.score_mods import case_problems as score_mod_problems
-from bench.plugins import load_plugin
-from bench.selection import allowed_units, get_selector, selector_names
+from bench.inputs import flashinfer as workload_inputs
 from bench.spec.case import Case
+from bench.spec.case_checks import check_case
+from bench.spec.model_fields import model_fields
+from bench.spec.plugins import load_plugin
 
 NAME_RE = r"^[a-z0-9_-]+$"
 
@@ -64,7 +64,8 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     "image_width": _Pos | None,
     "cp_layout": Literal["contiguous", "zigzag"],
     "ulysses_degree": _Pos | None,
-    # random | structured | {kind: structured, <knob>: value} | {file: PATH, layer: L}: checked by bench.inputs
+    # random | structured | {kind: structured, <knob>: value} | {file: PATH, layer: L} | {kind: flashinfer, root:
+    # DIR, definition: NAME, workload: UUID}: checked by bench.inputs
     "inputs": StrictStr | dict[str, Any],
     "selector": StrictStr | None,
     # a count of key units per query unit, or a fraction of the units the base pattern allows
@@ -76,6 +77,12 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     # none | softcap | alibi | relative_bias | a registered name, and the cap (> 0) of softcap: checked below
     "score_mod": StrictStr,
     "softcap": StrictFloat | StrictInt | None,
+    # a built-in model or a model directory, its task, samples, layers and a training run: bench.models.spec
+    "model": StrictStr | None,
+    "task": StrictStr | dict[str, Any] | None,
+    "samples": _Pos,
+    "layers": Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None,
+    "train": dict[str, Any] | None,
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 
@@ -103,6 +110,9 @@ class Measure(BaseModel):
     # the attention statistics of each case's inputs (bench.measure.attention_stats) in its records
     attention_stats: StrictBool = False
     wait_for_quiet_s: Annotated[StrictFloat, Field(ge=0, le=3600)] = 0.0  # for a quiet CPU before each pair
+    # report each tensor's error against a same-dtype reference (bench.measure.numerics); strict: a ratio above 2
+    # makes the record incorrect
+    numerics: Literal["report", "strict"] = "report"
 
 
 class SweepBlock(BaseModel):
@@ -274,8 +284,10 @@ def _expand(model: SuiteModel, file: str, base_dir: Path) -> tuple[list[Case], l
                 origin[name] = f"{prefix}sweep.{name}[{index}]"
             if "inputs" in values:
                 values["inputs"] = _inputs_spec(values["inputs"], origin["inputs"], file, base_dir, resolved)
+            if any(k in values for k in ("model", "task", "train")):
+                values = model_fields(values, origin, file, base_dir)
             case = Case(**values)
-            _check_case(case, origin, file)
+            check_case(case, origin, file)
             if case.case_id in seen:
                 continue
             seen.add(case.case_id)
@@ -291,110 +303,11 @@ def _inputs_spec(value: Any, where: str, file: str, base_dir: Path, resolved: di
     if key not in resolved:
         try:
             spec = InputsSpec.parse(value)
-            resolved[key] = input_files.resolve(spec, base_dir) if spec.kind == "file" else spec
+            if spec.kind == "file":
+                spec = input_files.resolve(spec, base_dir)
+            elif spec.kind == "flashinfer":
+                spec = workload_inputs.resolve(spec, base_dir)
+            resolved[key] = spec
         except InputsError as exc:
             raise BadInput(exc.message, file=file, field=f"{where}.{exc.field}" if exc.field else where) from None
     return resolved[key]
-
-
-def _check_selection(case: Case, where: Any, bad: Any) -> None:
-    """A selection case: a known selector, the amount it takes, a budget the base pattern can give."""
-    if case.selector is None:
-        name = "budget" if case.budget is not None else "threshold"
-        raise bad(f"got {name} with no selector; {name} is what a selector keeps: set `selector` too "
-                  f"(known: {', '.join(selector_names())})", name)
-    try:
-        info = get_selector(case.selector)
-    except KeyError as exc:
-        raise bad(f"got {case.selector!r}; {exc.args[0].split('; ')[-1]}", "selector") from None
-    if info.takes == "budget" and case.budget is None:
-        raise bad(f"selector {info.name} keeps a budget of {info.kv_unit}s per query {info.q_unit}: set `budget` "
-                  "(a count, or a fraction in (0, 1] of the units the base pattern allows)", "budget")
-    if info.takes == "threshold" and case.threshold is None:
-        raise bad(f"selector {info.name} keeps the units reaching a share of the attention mass: set `threshold` "
-                  "in (0, 1]", "threshold")
-    if isinstance(case.budget, int) and not isinstance(case.budget, bool):
-        allowed = allowed_units(case.make_pattern(), info.q_unit_size(case), info.kv_unit_size(case))
-        most = int(allowed.sum(dim=-1).max()) if allowed.numel() else 0
-        if case.budget > most:
-            raise bad(f"got {case.budget}; the base pattern {case.pattern_label()} allows at most {most} "
-                      f"{info.kv_unit}s of {info.kv_unit_size(case)} keys per query {info.q_unit} (seq_len "
-                      f"{case.seq_len}): allowed budget 1..{most}, or a fraction in (0, 1]", "budget")
-
-
-def _check_paging(case: Case, bad: Any) -> None:
-    """A paged KV cache: pages of a power-of-two size aligned with the blocks, for inference; lengths per
-    sequence that the batch and the queries allow."""
-    size = case.page_size
-    if size is None:
-        raise bad("got kv_lens with no page_size; sequences of their own lengths share a paged pool: set "
-                  "page_size (a power of two, e.g. 16 as vLLM and FlashInfer use)", "kv_lens")
-    if size & (size - 1):
-        allowed = [2**i for i in range(0, 13)]
-        raise bad(f"got {size}; a page holds a power of two of tokens: allowed {allowed}", "page_size")
-    if case.block_size % size and size % case.block_size:
-        raise bad(f"got {size} with block_size {case.block_size}; pages and blocks must align (one divides the "
-                  f"other): allowed page_size {[2**i for i in range(13) if case.block_size % 2**i == 0]} or a "
-                  f"multiple of {case.block_size}", "page_size")
-    if case.mode != "fwd":
-        raise bad(f"got page_size with mode {case.mode!r}; a paged KV cache is read in inference (decode): "
-                  "allowed mode fwd", "page_size")
-    if isinstance(case.kv_lens, tuple):
-        if len(case.kv_lens) != case.batch:
-            raise bad(f"got {len(case.kv_lens)} lengths for batch {case.batch}; kv_lens lists one length per "
-                      "sequence", "kv_lens")
-        for length in case.kv_lens:
-            if not case.n_queries <= length <= case.seq_len:
-                raise bad(f"got {length}; each length must be between q_len {case.n_queries} and seq_len "
-                          f"{case.seq_len} (a sequence's queries are its last q_len positions)", "kv_lens")
-
-
-def _check_case(case: Case, origin: dict[str, str], file: str) -> None:
-    """Constraints between fields of one case: pattern name, shapes, and what the pattern needs of its fields."""
-    where = lambda name: origin.get(name, name)  # noqa: E731 - unset fields are named as themselves
-
-    def bad(message: str, name: str) -> BadInput:
-        if name not in origin and name != "pattern":
-            message += f"; set defaults.{name} or sweep it"
-        return BadInput(message, file=file, field=where(name))
-
-    if case.pattern not in PATTERNS:
-        raise BadInput(f"got {case.pattern!r}; known patterns: {', '.join(sorted(PATTERNS))}",
-                       file=file, field=where("pattern"))
-    if case.checkpoint and case.mode != "fwd_bwd":
-        raise BadInput(f"got checkpoint: true with mode {case.mode!r}; checkpointing recomputes attention in "
-                       "backward, so it needs mode fwd_bwd", file=file, field=where("checkpoint"))
-    if case.kv_heads is not None and case.heads % case.kv_heads:
-        divisors = [d for d in range(1, case.heads + 1) if case.heads % d == 0]
-        raise bad(f"got {case.kv_heads} with heads {case.heads}; grouped-query attention needs heads % kv_heads "
-                  f"== 0: allowed kv_heads {divisors}", "kv_heads")
-    if case.cp_layout != "contiguous" and case.world_size < 2:
-        raise bad(f"got cp_layout {case.cp_layout!r} with world_size {case.world_size}; a layout places sequence "
-                  "chunks on ranks, so it needs world_size >= 2 (allowed with world_size 1: 'contiguous')",
-                  "cp_layout")
-    if case.ulysses_degree is not None and case.world_size % case.ulysses_degree:
-        divisors = [d for d in range(1, case.world_size + 1) if case.world_size % d == 0]
-        raise bad(f"got {case.ulysses_degree} with world_size {case.world_size}; Ulysses groups of ulysses_degree "
-                  f"ranks must tile the ranks: allowed ulysses_degree {divisors} (or null)", "ulysses_degree")
-    if case.selector is not None or case.budget is not None or case.threshold is not None:
-        _check_selection(case, where, bad)
-    if case.page_size is not None or case.kv_lens is not None:
-        _check_paging(case, bad)
-    for name, message in score_mod_problems(case):
-        raise bad(message, name)
-    if case.inputs.kind == "file":
-        try:
-            input_files.check_shapes(case.inputs, batch=case.batch, heads=case.heads, kv_heads=case.n_kv_heads,
-                                     head_dim=case.head_dim, seq_len=case.seq_len, q_len=case.n_queries)
-        except InputsError as exc:
-            raise BadInput(exc.message, file=file, field=where("inputs")) from None
-    try:
-        pattern = case.make_pattern()
-        if PATTERNS[case.pattern].source != "built-in":
-            pattern.probe()  # a custom predicate that raises or returns no bool fails here, not mid-run
-    except PatternError as exc:
-        name = exc.field or "pattern"
-        message = exc.message if exc.field else f"pattern {exc.pattern}: {exc.message}"
-        if case.pattern not in message:
-            message += f" (pattern {case.pattern})"
-        raise bad(message, name) from None

@@ -20,11 +20,13 @@ from typing import ClassVar
 
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
+from bench.spec.case import DTYPES
 from impls.blocked.attention import blocked_attention
 from impls.blocked.decode import (
     DECODE_ROWS,
     HEAD_DIM_MULTIPLE,
     decode_attention,
+    decode_engine,
     decode_module,
     decode_unavailable,
     masks_plan,
@@ -43,6 +45,7 @@ from impls.blocked.kernel import (
 )
 from impls.blocked.plan import BandPlan, GatherPlan, make_plan
 from impls.blocked.selected import base_slots, gathered_attention, head_tables, tasks_of
+from impls.blocked.tokens import token_attention
 from impls.common import softmax_scale
 
 
@@ -52,7 +55,7 @@ class Blocked(Impl):
     description = "dense matmuls over the block layout: sliding windows for bands, gathered blocks otherwise"
     fwd_bwd = True
     score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # in the CPU kernel only (unsupported_score_mod)
-    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("block",)}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block")}
 
     def build_ahead(self, devices):
         if "cpu" in devices:  # both C++ kernels; each is cached per machine and loads in a second once built
@@ -126,7 +129,8 @@ class Blocked(Impl):
 
     def _decode_extras(self, case, plan, pattern) -> dict[str, object]:
         listed = plan.listed_keys // max(1, plan.blocks.shape[0])
-        return {"path": "decode", "block_size": plan.block, "group_size": case.group_size,
+        return {"path": "decode", "engine": decode_engine(DTYPES[case.dtype]), "block_size": plan.block,
+                "group_size": case.group_size,
                 "listed_keys_per_kv_head": listed, "computed_over_allowed": listed * case.n_queries / max(
                     1, pattern.nnz / max(1, case.batch))}
 
@@ -208,6 +212,9 @@ class Blocked(Impl):
             self._extras["kernel_unavailable"] = kernel_missing
 
         def attend(selection):
+            if selection.kv_unit == 1:  # tokens: the union of each tile's rows' tokens (impls/blocked/tokens.py)
+                self._extras["path"] = "token_union"
+                return token_attention(selection, pattern, q, k, v, scale)
             if kernel_missing is not None:
                 return gathered_attention(selection, pattern, q, k, v, scale, bs)
             task_heads, per_query_head = tasks_of(selection, h, hkv)

@@ -3,10 +3,19 @@
 // Decode is bound by memory: every allowed key and value row must be read once, and there is little arithmetic
 // per byte (2 * G * q_len FLOPs per element for G query heads per KV head). So K and V are read where they lie -
 // contiguous (B, Hkv, N, D) or a pool of pages (P, Hkv, page, D) through a page table per sequence - and never
-// packed or copied: each key block is loaded once for all the query rows of its KV head (the G heads' q_len rows
-// as R rows), S = Q K_j^T and O += P V_j are vectorised over the head dimension with the R rows' FMAs on one
-// loaded row, the softmax online in float32. The key blocks of a (sequence, KV head) are split over the threads
+// packed or copied: each key row is loaded once for all the query rows of its KV head (the G heads' q_len rows as
+// R rows), the softmax online in float32. The key blocks of a (sequence, KV head) are split over the threads
 // (flash-decoding: each split keeps its own max, sum and output) and the splits are combined by log-sum-exp.
+//
+// The loop walks the list's blocks as groups of up to 16 key rows (a page of 16; a quarter of a 64-key block), the
+// gather through the page table fused into it: a group is one pointer, its page's rows. Four groups make one
+// softmax step (64 keys, whatever the page size: pages of 16 would otherwise pay a softmax step each). While a
+// step's scores are computed, its value rows and the next step's key rows are prefetched (a page's rows lie
+// anywhere in the pool, where the hardware prefetcher cannot follow). Scores of a group are 16 dot products per
+// row reduced to one vector by a transpose-and-add tree (a horizontal sum per key and row cost more than the dot
+// products). On AVX512 with AVX512-BF16 (detected at run time) bfloat16 rows go through its dot-product
+// instruction: q . k on bfloat16 pairs, and P V with P rounded to bfloat16 (as torch's flash kernel does) against
+// value rows interleaved in pairs; elsewhere the products are float32 FMAs (bfloat16 widened).
 //
 // Which blocks are read: a list per (sequence, KV head) (the pattern's, or a selection's), each block full or
 // partial; a partial block's pairs are looked up in a boolean mask (T, R, N) of the rows' allowed keys, T = 1
@@ -20,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -29,15 +39,25 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t MAX_ROWS = 256;  // G * q_len rows of one KV head (32 query heads x 8 rows)
+constexpr int64_t GK = 16;  // key rows per group: one AVX512 vector of scores
+constexpr int64_t STEP_GROUPS = 4;  // groups per softmax step
+constexpr int64_t STEP_KEYS = GK * STEP_GROUPS;
 
-// 2 * Vec::size() elements of src as two float vectors (bfloat16: one 16-bit vector load, widened).
-template <typename T>
-inline void load2(const T* src, Vec& lo, Vec& hi) {
-  if constexpr (std::is_same_v<T, float>) {
-    lo = Vec::loadu(src);
-    hi = Vec::loadu(src + Vec::size());
-  } else {
-    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src));
+struct Partial {
+  std::vector<float> o, m, l;  // (R, D), (R,), (R,)
+};
+
+// A run of up to GK key rows inside one block (one page): offset of its first row in K and V (elements), its first
+// key position, how many rows are real, whether every row of the list may see all of them.
+struct Group {
+  int64_t off, first, valid;
+  bool full;
+};
+
+inline void prefetch_rows(const void* p, int64_t rows, int64_t row_bytes, int hint) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < rows * row_bytes; off += 64) {
+    if (hint == 0) _mm_prefetch(c + off, _MM_HINT_T0); else _mm_prefetch(c + off, _MM_HINT_T1);
   }
 }
 
@@ -49,163 +69,396 @@ inline float hsum(const Vec& x) {
 #endif
 }
 
-// out[r] = sum_x q[r][x] * key[x] for NR rows (q in floats, (NR, D)), the key row read once. D is a multiple of
-// 2 * Vec::size(). The row count is a template argument so that the accumulators stay in registers.
-template <int NR, typename T>
-inline void dot_rows_n(const float* q, const T* key, int64_t d, float* out) {
-  constexpr int64_t W = Vec::size();
-  Vec acc[NR];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) acc[r] = Vec(0.f);
-  for (int64_t x = 0; x < d; x += 2 * W) {
-    Vec lo, hi;
-    load2(key + x, lo, hi);
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      acc[r] = at::vec::fmadd(Vec::loadu(q + r * d + x), lo, acc[r]);
-      acc[r] = at::vec::fmadd(Vec::loadu(q + r * d + x + W), hi, acc[r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
-}
-
-template <typename T>
-inline void dot_rows(const float* q, int64_t rows, const T* key, int64_t d, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) dot_rows_n<4>(q + r * d, key, d, out + r);
-  switch (rows - r) {
-    case 3: dot_rows_n<3>(q + r * d, key, d, out + r); break;
-    case 2: dot_rows_n<2>(q + r * d, key, d, out + r); break;
-    case 1: dot_rows_n<1>(q + r * d, key, d, out + r); break;
-    default: break;
-  }
-}
-
-constexpr int64_t PREFETCH_ROWS = 8;  // key rows ahead (2 KiB at D = 128 in bfloat16)
-
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
-struct Partial {
-  std::vector<float> o, m, l;  // (R, D), (R,), (R,)
+// Where a row's allowed keys are looked up for a partial group: row r's mask is base + (r % rows) * n.
+struct MaskRows {
+  const bool* base;
+  int64_t rows, n;
 };
 
-// O[r] += sum_t P[r][t] V[t] for NR rows and NV vectors of the head dimension from x0, over `valid` value rows:
-// the NR x NV outputs stay in registers while the block's value rows stream by.
-template <int NR, int NV, typename T>
-inline void pv_tile(const float* p, int64_t ldp, const T* v, int64_t valid, int64_t d, int64_t x0, float* o) {
-  constexpr int64_t W = Vec::size();
-  Vec acc[NR][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int i = 0; i < NV; ++i) acc[r][i] = Vec::loadu(o + r * d + x0 + i * W);
-  for (int64_t t = 0; t < valid; ++t) {
-    Vec vv[NV];
-#pragma GCC unroll 4
-    for (int i = 0; i < NV; i += 2) load2(v + t * d + x0 + i * W, vv[i], vv[i + 1]);
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const Vec pr(p[r * ldp + t]);
-#pragma GCC unroll 4
-      for (int i = 0; i < NV; ++i) acc[r][i] = at::vec::fmadd(pr, vv[i], acc[r][i]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int i = 0; i < NV; ++i) acc[r][i].store(o + r * d + x0 + i * W);
-}
+// ---- the portable engine (any vector ISA): a horizontal sum per key and row; P in float32 ----------------------
 
-template <int NR, typename T>
-inline void pv_rows(const float* p, int64_t ldp, const T* v, int64_t valid, int64_t d, float* o) {
-  constexpr int64_t W = Vec::size();
-  int64_t x0 = 0;
-  for (; x0 + 4 * W <= d; x0 += 4 * W) pv_tile<NR, 4>(p, ldp, v, valid, d, x0, o);
-  if (x0 < d) pv_tile<NR, 2>(p, ldp, v, valid, d, x0, o);  // d is a multiple of 2W
-}
-
-// O[r] += sum_t P[r][t] V[t] over a block of `valid` value rows, rows four at a time.
 template <typename T>
-inline void pv_block(const float* p, int64_t ldp, int64_t rows, const T* v, int64_t valid, int64_t d, float* o) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) pv_rows<4>(p + r * ldp, ldp, v, valid, d, o + r * d);
-  switch (rows - r) {
-    case 3: pv_rows<3>(p + r * ldp, ldp, v, valid, d, o + r * d); break;
-    case 2: pv_rows<2>(p + r * ldp, ldp, v, valid, d, o + r * d); break;
-    case 1: pv_rows<1>(p + r * ldp, ldp, v, valid, d, o + r * d); break;
-    default: break;
+inline void load2(const T* src, Vec& lo, Vec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo = Vec::loadu(src);
+    hi = Vec::loadu(src + Vec::size());
+  } else {
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src));
   }
 }
 
-// One split of one (sequence, KV head): blocks [c_begin, c_end) of its list, into `part`. Per block: the R rows'
-// scores against its keys (each key row read once), then per row a vectorised softmax step over the block (one
-// rescale of the running output where the row's max grows), then the value rows streamed once through
-// `pv_block`.
 template <typename T>
-void attend_split(const float* qf, int64_t rows, int64_t d, const T* k, const T* v, const int32_t* blocks,
-                  const bool* full, int64_t c_begin, int64_t c_end, int64_t bs, int64_t n_valid,
-                  const int32_t* page_row, int64_t page_stride, int64_t head_offset, const bool* mask,
-                  int64_t mask_rows, int64_t mask_n, float scale, Partial& part) {
-  std::vector<float> s(rows * bs), dots(rows);  // s: (R, bs), a row's scores side by side
-  for (int64_t c = c_begin; c < c_end; ++c) {
-    const int64_t j = blocks[c];
-    const int64_t first = j * bs;
-    const int64_t valid = std::min(bs, n_valid - first);
-    if (valid <= 0) continue;
-    // where block j's rows lie: a page of the pool, or the contiguous cache
-    const int64_t base = page_row != nullptr ? (static_cast<int64_t>(page_row[j]) * page_stride + head_offset)
-                                             : (head_offset + first * d);
-    // The loop is bound by memory: ask for the rows a few keys ahead (the hardware prefetcher alone left the
-    // loads waiting), and for the next block's first key rows while this one's values stream.
-    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-    for (int64_t t = 0; t < valid; ++t) {
-      if (t + PREFETCH_ROWS < valid) prefetch_row(k + base + (t + PREFETCH_ROWS) * d, row_bytes);
-      prefetch_row(v + base + t * d, row_bytes);  // its value row, read after the block's scores
-      dot_rows(qf, rows, k + base + t * d, d, dots.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool ok = full[c] || mask[(r % mask_rows) * mask_n + first + t];
-        s[r * bs + t] = ok ? dots[r] * scale : NEG_INF;
+struct PortableEngine {
+  using P = float;
+  // s[r * lds + t] = scale * q_r . k_t for the group's GK slots, -inf where the row may not see the key (or t >= valid).
+  static void qk(const float* q, int64_t rows, const T* k, const Group& g, int64_t d, float scale,
+                 const MaskRows& mr, float* s, int64_t lds) {
+    constexpr int64_t W = Vec::size();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < GK; ++t) {
+        if (t >= g.valid || !(g.full || mr.base[(r % mr.rows) * mr.n + g.first + t])) {
+          s[r * lds + t] = NEG_INF;
+          continue;
+        }
+        Vec acc(0.f);
+        for (int64_t x = 0; x < d; x += 2 * W) {
+          Vec lo, hi;
+          load2(k + g.off + t * d + x, lo, hi);
+          acc = at::vec::fmadd(Vec::loadu(q + r * d + x), lo, at::vec::fmadd(Vec::loadu(q + r * d + x + W), hi, acc));
+        }
+        s[r * lds + t] = hsum(acc) * scale;
       }
-    }
-    bool any = false;
+  }
+  static void to_p(const float* e, int64_t n, float* p) { std::memcpy(p, e, n * sizeof(float)); }
+  // o[r] += sum_t p[r][t] v_t over a step's groups, for `rows` rows (ldp: P's row stride).
+  static void pv(const float* p, int64_t ldp, int64_t rows, const T* v, const Group* g, int64_t ng, int64_t d,
+                 float* o) {
+    constexpr int64_t W = Vec::size();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t x = 0; x < d; x += 2 * W) {
+        Vec a0 = Vec::loadu(o + r * d + x), a1 = Vec::loadu(o + r * d + x + W);
+        for (int64_t gi = 0; gi < ng; ++gi)
+          for (int64_t t = 0; t < g[gi].valid; ++t) {
+            Vec lo, hi;
+            load2(v + g[gi].off + t * d + x, lo, hi);
+            const Vec pr(p[r * ldp + gi * GK + t]);
+            a0 = at::vec::fmadd(pr, lo, a0);
+            a1 = at::vec::fmadd(pr, hi, a1);
+          }
+        a0.store(o + r * d + x);
+        a1.store(o + r * d + x + W);
+      }
+  }
+  static void finish(float*, int64_t, int64_t) {}
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- AVX512: 16 keys' dot products reduced together ---------------------------------------------------------
+
+// [sum of a[0]'s lanes, ..., sum of a[15]'s lanes]: pairs of vectors interleaved and added at 32-bit, 64-bit, then
+// 128-bit granularity (the 64-bit shuffles move float pairs; the adds are of floats).
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+  const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xdd));
+}
+
+// The keys of the group row r may see: the real ones, and where the group is partial those its mask allows.
+inline __mmask16 allowed_keys(const Group& g, const MaskRows& mr, int64_t r) {
+  const __mmask16 real = static_cast<__mmask16>(g.valid >= GK ? 0xffff : (1u << g.valid) - 1);
+  if (g.full) return real;
+  const __m128i bytes = _mm_maskz_loadu_epi8(real, mr.base + (r % mr.rows) * mr.n + g.first);
+  return _mm_test_epi8_mask(bytes, bytes) & real;
+}
+
+inline void store_scores(__m512 dots, float scale, __mmask16 allowed, float* s) {
+  _mm512_storeu_ps(s, _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), allowed, dots, _mm512_set1_ps(scale)));
+}
+
+template <typename T>
+inline __m512 load16(const T* p) {  // 16 elements as floats
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+// float32 FMAs (float32 inputs, or bfloat16 widened where the CPU has no AVX512-BF16).
+template <typename T>
+struct FmaEngine {
+  using P = float;
+  static void qk(const float* q, int64_t rows, const T* k, const Group& g, int64_t d, float scale,
+                 const MaskRows& mr, float* s, int64_t lds) {
+    const T* kg = k + g.off;
+    const int64_t last = g.valid - 1;  // rows past the group's last are never read: its last row stands in
     for (int64_t r = 0; r < rows; ++r) {
-      float* row = s.data() + r * bs;
-      float mx = NEG_INF;
-      for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, row[t]);
-      if (mx == NEG_INF) {  // nothing allowed in this block: P = 0
-        std::fill(row, row + valid, 0.f);
-        continue;
+      __m512 acc[GK];
+      const float* qr = q + r * d;
+#pragma GCC unroll 16
+      for (int t = 0; t < GK; ++t) {
+        const T* row = kg + std::min<int64_t>(t, last) * d;
+        __m512 a = _mm512_mul_ps(load16(row), _mm512_loadu_ps(qr));
+        for (int64_t x = 16; x < d; x += 16) a = _mm512_fmadd_ps(load16(row + x), _mm512_loadu_ps(qr + x), a);
+        acc[t] = a;
       }
-      any = true;
-      float& m = part.m[r];
-      if (mx > m) {  // a new max: rescale what the row holds, once per block
-        const float alpha = m == NEG_INF ? 0.f : std::exp(m - mx);
-        float* o = part.o.data() + r * d;
-        const Vec a(alpha);
-        for (int64_t x = 0; x < d; x += Vec::size()) (Vec::loadu(o + x) * a).store(o + x);
-        part.l[r] *= alpha;
-        m = mx;
-      }
-      const Vec shift(m);
-      Vec sum(0.f);
-      int64_t t = 0;
-      for (; t + Vec::size() <= valid; t += Vec::size()) {
-        const Vec e = (Vec::loadu(row + t) - shift).exp_u20();  // exp(-inf) = 0: masked keys get no weight
-        sum = sum + e;
-        e.store(row + t);
-      }
-      float tail = 0.f;
-      for (; t < valid; ++t) {
-        row[t] = row[t] == NEG_INF ? 0.f : std::exp(row[t] - m);
-        tail += row[t];
-      }
-      part.l[r] += hsum(sum) + tail;
+      store_scores(reduce16(acc), scale, allowed_keys(g, mr, r), s + r * lds);
     }
-    if (any) pv_block(s.data(), bs, rows, v + base, valid, d, part.o.data());
+  }
+  static void to_p(const float* e, int64_t n, float* p) { std::memcpy(p, e, n * sizeof(float)); }
+  // NR rows' outputs over 64 columns from x0 (NV = 4 vectors; 2 at a 32-column tail) in registers while the step's
+  // value rows stream by.
+  template <int NR, int NV>
+  static void pv_tile(const float* p, int64_t ldp, const T* v, const Group* g, int64_t ng, int64_t d, int64_t x0,
+                      float* o) {
+    __m512 acc[NR][NV];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * d + x0 + 16 * i);
+    for (int64_t gi = 0; gi < ng; ++gi)
+      for (int64_t t = 0; t < g[gi].valid; ++t) {
+        const T* row = v + g[gi].off + t * d + x0;
+        __m512 vv[NV];
+        for (int i = 0; i < NV; ++i) vv[i] = load16(row + 16 * i);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+          const __m512 pr = _mm512_set1_ps(p[r * ldp + gi * GK + t]);
+          for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_fmadd_ps(pr, vv[i], acc[r][i]);
+        }
+      }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + r * d + x0 + 16 * i, acc[r][i]);
+  }
+  template <int NR>
+  static void pv_rows(const float* p, int64_t ldp, const T* v, const Group* g, int64_t ng, int64_t d, float* o) {
+    int64_t x0 = 0;
+    for (; x0 + 64 <= d; x0 += 64) pv_tile<NR, 4>(p, ldp, v, g, ng, d, x0, o);
+    if (x0 < d) pv_tile<NR, 2>(p, ldp, v, g, ng, d, x0, o);
+  }
+  static void pv(const float* p, int64_t ldp, int64_t rows, const T* v, const Group* g, int64_t ng, int64_t d,
+                 float* o) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) pv_rows<4>(p + r * ldp, ldp, v, g, ng, d, o + r * d);
+    if (r + 2 <= rows) pv_rows<2>(p + r * ldp, ldp, v, g, ng, d, o + r * d), r += 2;
+    if (r < rows) pv_rows<1>(p + r * ldp, ldp, v, g, ng, d, o + r * d);
+  }
+  static void finish(float*, int64_t, int64_t) {}
+};
+
+// AVX512-BF16's dot product of bfloat16 pairs (vdpbf16ps); its functions carry the target themselves, so the
+// module runs on AVX512 CPUs without it (the engine is chosen at run time).
+#define BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+struct DotEngine {
+  using T = at::BFloat16;
+  using P = uint16_t;  // bfloat16 bits
+  BF16_TARGET static void qk(const uint16_t* q, int64_t rows, const T* k, const Group& g, int64_t d, float scale,
+                             const MaskRows& mr, float* s, int64_t lds) {
+    const uint16_t* kg = reinterpret_cast<const uint16_t*>(k + g.off);
+    const int64_t last = g.valid - 1;
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 acc[GK];
+      const uint16_t* qr = q + r * d;
+#pragma GCC unroll 16
+      for (int t = 0; t < GK; ++t) {
+        const uint16_t* row = kg + std::min<int64_t>(t, last) * d;
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(row),
+                                    (__m512bh)_mm512_loadu_si512(qr));
+        for (int64_t x = 32; x < d; x += 32)
+          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(row + x), (__m512bh)_mm512_loadu_si512(qr + x));
+        acc[t] = a;
+      }
+      store_scores(reduce16(acc), scale, allowed_keys(g, mr, r), s + r * lds);
+    }
+  }
+  BF16_TARGET static void to_p(const float* e, int64_t n, uint16_t* p) {  // n a multiple of 16
+    for (int64_t i = 0; i < n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(e + i)));
+  }
+  // NR rows' outputs over 64 columns from x0 (NV = 4 vectors; 2 at a 32-column tail) from value rows taken in pairs
+  // (t, t + 1; zeros past the group), interleaved: per 32 columns, lanes 4L + j of `lo` hold column 8L + j and of
+  // `hi` column 8L + 4 + j (finish puts them back in order).
+  template <int NR, int NV>
+  BF16_TARGET static void pv_tile(const uint16_t* p, int64_t ldp, const T* v, const Group* g, int64_t ng, int64_t d,
+                                  int64_t x0, float* o) {
+    __m512 acc[NR][NV];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * d + x0 + 16 * i);
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const uint16_t* vg = reinterpret_cast<const uint16_t*>(v + g[gi].off) + x0;
+      for (int64_t t = 0; t < g[gi].valid; t += 2) {
+        const bool second = t + 1 < g[gi].valid;
+        __m512i vv[NV];
+        for (int i = 0; i < NV; i += 2) {
+          const __m512i a = _mm512_loadu_si512(vg + t * d + 16 * i);
+          const __m512i b = second ? _mm512_loadu_si512(vg + (t + 1) * d + 16 * i) : _mm512_setzero_si512();
+          vv[i] = _mm512_unpacklo_epi16(a, b);
+          vv[i + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+          int32_t both;
+          std::memcpy(&both, p + r * ldp + gi * GK + t, sizeof(both));
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(both);
+          for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)vv[i], pp);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + r * d + x0 + 16 * i, acc[r][i]);
+  }
+  template <int NR>
+  BF16_TARGET static void pv_rows(const uint16_t* p, int64_t ldp, const T* v, const Group* g, int64_t ng, int64_t d,
+                                  float* o) {
+    int64_t x0 = 0;
+    for (; x0 + 64 <= d; x0 += 64) pv_tile<NR, 4>(p, ldp, v, g, ng, d, x0, o);
+    if (x0 < d) pv_tile<NR, 2>(p, ldp, v, g, ng, d, x0, o);
+  }
+  BF16_TARGET static void pv(const uint16_t* p, int64_t ldp, int64_t rows, const T* v, const Group* g, int64_t ng,
+                             int64_t d, float* o) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) pv_rows<4>(p + r * ldp, ldp, v, g, ng, d, o + r * d);
+    if (r + 2 <= rows) pv_rows<2>(p + r * ldp, ldp, v, g, ng, d, o + r * d), r += 2;
+    if (r < rows) pv_rows<1>(p + r * ldp, ldp, v, g, ng, d, o + r * d);
+  }
+  static void finish(float* o, int64_t rows, int64_t d) {  // the pairs' lanes back to column order
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t i = 0; i < rows * d; i += 32) {
+      const __m512 lo = _mm512_loadu_ps(o + i), hi = _mm512_loadu_ps(o + i + 16);
+      _mm512_storeu_ps(o + i, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(o + i + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+  }
+};
+#endif
+
+// Where a list's blocks lie: the page table (paged) or the contiguous cache, the list and its full flags.
+struct ListView {
+  const int32_t* blocks;
+  const bool* full;
+  int64_t bs, n_valid;
+  const int32_t* page_row;  // null: contiguous
+  int64_t page_stride, head_offset, d;
+};
+
+// The groups of blocks [c_begin, c_end) of a list, in order, empty ones left out.
+inline std::vector<Group> groups_of(const ListView& lv, int64_t c_begin, int64_t c_end) {
+  std::vector<Group> out;
+  out.reserve((c_end - c_begin) * ((lv.bs + GK - 1) / GK));
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const int64_t j = lv.blocks[c], first = j * lv.bs;
+    const int64_t valid = std::min(lv.bs, lv.n_valid - first);
+    const int64_t base = lv.page_row != nullptr ? static_cast<int64_t>(lv.page_row[j]) * lv.page_stride + lv.head_offset
+                                                : lv.head_offset + first * lv.d;
+    for (int64_t t0 = 0; t0 < valid; t0 += GK)
+      out.push_back({base + t0 * lv.d, first + t0, std::min(GK, valid - t0), lv.full[c]});
+  }
+  return out;
+}
+
+// One row's online-softmax step over `cols` scores s (-inf where not allowed): P into p, the running max, sum and
+// output rescaled where the max grows. Returns whether the row had an allowed key here.
+template <typename E>
+inline bool softmax_step(float* s, int64_t cols, typename E::P* p, float& m, float& l, float* o, int64_t d) {
+  Vec top(NEG_INF);
+  for (int64_t t = 0; t < cols; t += Vec::size()) top = at::vec::maximum(top, Vec::loadu(s + t));
+  const float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top);
+  if (mx == NEG_INF) {
+    std::fill(s, s + cols, 0.f);
+    E::to_p(s, cols, p);
+    return false;
+  }
+  if (mx > m) {  // a new max: rescale what the row holds, once per step
+    const float alpha = m == NEG_INF ? 0.f : std::exp(m - mx);
+    const Vec a(alpha);
+    for (int64_t x = 0; x < d; x += Vec::size()) (Vec::loadu(o + x) * a).store(o + x);
+    l *= alpha;
+    m = mx;
+  }
+  const Vec shift(m);
+  Vec sum(0.f);
+  for (int64_t t = 0; t < cols; t += Vec::size()) {  // cols: whole groups of 16, a multiple of Vec::size()
+    const Vec e = (Vec::loadu(s + t) - shift).exp_u20();  // exp(-inf) = 0: masked keys get no weight
+    sum = sum + e;
+    e.store(s + t);
+  }
+  l += hsum(sum);
+  E::to_p(s, cols, p);
+  return true;
+}
+
+// One (sequence, KV head)'s share of a task: its rows of q, the groups of its split, its masks and partial.
+template <typename Q>
+struct Lane {
+  const Q* q;
+  std::vector<Group> groups;
+  MaskRows mr;
+  Partial* part;
+};
+
+// One softmax step of a lane (groups [g0, g0 + STEP_GROUPS)): the R rows' scores (scaled, masked), a softmax step
+// per row, the value rows streamed once through the engine's P V.
+template <typename T, typename E, typename Q>
+void lane_step(const Lane<Q>& lane, int64_t g0, int64_t rows, const T* k, const T* v, int64_t d, float scale,
+               float* s, typename E::P* p) {
+  const int64_t ng = static_cast<int64_t>(lane.groups.size()), nc = std::min(STEP_GROUPS, ng - g0);
+  Partial& part = *lane.part;
+  for (int64_t gi = 0; gi < nc; ++gi)
+    E::qk(lane.q, rows, k, lane.groups[g0 + gi], d, scale, lane.mr, s + gi * GK, STEP_KEYS);
+  bool any = false;
+  for (int64_t r = 0; r < rows; ++r)
+    any |= softmax_step<E>(s + r * STEP_KEYS, nc * GK, p + r * STEP_KEYS, part.m[r], part.l[r],
+                           part.o.data() + r * d, d);
+  if (any) E::pv(p, STEP_KEYS, rows, v, lane.groups.data() + g0, nc, d, part.o.data());
+}
+
+template <typename T, typename Q>
+void prefetch_step(const Lane<Q>& lane, int64_t g0, const T* k, const T* v, int64_t row_bytes) {
+  const int64_t ng = static_cast<int64_t>(lane.groups.size());
+  for (int64_t i = g0; i < std::min(ng, g0 + STEP_GROUPS); ++i) {
+    prefetch_rows(k + lane.groups[i].off, lane.groups[i].valid, row_bytes, 1);
+    prefetch_rows(v + lane.groups[i].off, lane.groups[i].valid, row_bytes, 1);
+  }
+}
+
+// A task's lanes walked in lockstep, step by step (every lane's step s, then s + 1): the lanes of a paged task are
+// one sequence's KV heads, whose rows of one page lie side by side in the pool, so a page is read while its
+// neighbours' translations and lines are at hand. While one lane-step computes, the next one's key and value rows
+// are prefetched into L2 (a page's rows lie anywhere in the pool, where the hardware prefetcher cannot follow).
+template <typename T, typename E, typename Q>
+void attend_lanes(const std::vector<Lane<Q>>& lanes, int64_t rows, const T* k, const T* v, int64_t d, float scale) {
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T)), nl = static_cast<int64_t>(lanes.size());
+  std::vector<float> s(rows * STEP_KEYS);
+  std::vector<typename E::P> p(rows * STEP_KEYS);
+  int64_t steps = 0;
+  for (const auto& lane : lanes) steps = std::max<int64_t>(steps, lane.groups.size());
+  steps = (steps + STEP_GROUPS - 1) / STEP_GROUPS;
+  for (int64_t unit = 0; unit < steps * nl; ++unit) {
+    const int64_t next = unit + 1;
+    if (next < steps * nl) prefetch_step(lanes[next % nl], (next / nl) * STEP_GROUPS, k, v, row_bytes);
+    const Lane<Q>& lane = lanes[unit % nl];
+    const int64_t g0 = (unit / nl) * STEP_GROUPS;
+    if (g0 < static_cast<int64_t>(lane.groups.size()))
+      lane_step<T, E>(lane, g0, rows, k, v, d, scale, s.data(), p.data());
+  }
+  for (const auto& lane : lanes) E::finish(lane.part->o.data(), rows, d);
+}
+
+// The combination of a (sequence, KV head)'s splits by log-sum-exp, into its output rows and lse.
+template <typename T>
+void combine(const std::vector<Partial>& parts, int64_t bh, int64_t splits, int64_t rows, int64_t d, T* out,
+             float* lse) {
+  std::vector<float> o(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = NEG_INF;
+    for (int64_t s = 0; s < splits; ++s) m = std::max(m, parts[bh * splits + s].m[r]);
+    float l = 0.f;
+    std::fill(o.begin(), o.end(), 0.f);
+    if (m != NEG_INF) {
+      for (int64_t s = 0; s < splits; ++s) {
+        const Partial& part = parts[bh * splits + s];
+        if (part.m[r] == NEG_INF) continue;
+        const float w = std::exp(part.m[r] - m);
+        l += part.l[r] * w;
+        for (int64_t x = 0; x < d; ++x) o[x] += part.o[r * d + x] * w;
+      }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t x = 0; x < d; ++x) o[x] *= inv;
+    T* dst = out + (bh * rows + r) * d;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(dst, o.data(), d * sizeof(float));
+    } else {
+      at::vec::convert(o.data(), dst, d);
+    }
+    lse[bh * rows + r] = l > 0.f ? m + std::log(l) : NEG_INF;
   }
 }
 
@@ -213,19 +466,19 @@ void attend_split(const float* qf, int64_t rows, int64_t d, const T* k, const T*
 // page, D) with page_table int32 (B, max_pages) and bs = page; blocks int32 (B * Hkv, max_blocks) and their
 // count (B * Hkv,), full bool (B * Hkv, max_blocks); mask bool (T, M, N) with T in {1, B, B * Hkv} and M = R or
 // q_len (the rows of one query head, shared by the G heads: mask row = r % M, as q row r = gi * q_len + t);
-// lens int32 (B,) keys per sequence. splits >= 1.
-// Returns (out (B, Hkv, R, D) in q's dtype, lse (B, Hkv, R) float32).
+// lens int32 (B,) keys per sequence. splits >= 1. bf16_dot: bfloat16 products on AVX512-BF16 (the caller checked
+// the CPU has it). Returns (out (B, Hkv, R, D) in q's dtype, lse (B, Hkv, R) float32).
 std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                             const torch::Tensor& page_table, const torch::Tensor& blocks,
                                             const torch::Tensor& counts, const torch::Tensor& full,
                                             const torch::Tensor& mask, const torch::Tensor& lens, int64_t bs,
-                                            double scale, int64_t splits) {
+                                            double scale, int64_t splits, bool bf16_dot) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
               "q (B, Hkv, R, D); k, v contiguous, one shape");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
   const int64_t b = q.size(0), hkv = q.size(1), rows = q.size(2), d = q.size(3);
   TORCH_CHECK(rows <= MAX_ROWS, "at most ", MAX_ROWS, " rows per KV head");
-  TORCH_CHECK(d % (2 * Vec::size()) == 0, "head_dim a multiple of ", 2 * Vec::size());
+  TORCH_CHECK(d % 32 == 0, "head_dim a multiple of 32");
   const bool paged = page_table.defined() && page_table.numel() > 0;
   TORCH_CHECK(k.dim() == 4 && k.size(1) == hkv && k.size(3) == d, "k (B or P, Hkv, N or page, D)");
   TORCH_CHECK(!paged || k.size(2) == bs, "a page of bs rows");
@@ -234,84 +487,80 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
   TORCH_CHECK(mask.dim() == 3 && (mask.size(0) == 1 || mask.size(0) == b || mask.size(0) == b * hkv) &&
               rows % mask.size(1) == 0, "mask (T, M, N)");
   const int64_t n_ctx = paged ? 0 : k.size(2);
-  const int64_t page_stride = paged ? hkv * bs * d : 0;  // elements per page of the pool
-  const int64_t max_blocks = blocks.size(1);
-  const int64_t tasks = b * hkv * splits;
+  const int64_t max_blocks = blocks.size(1), tasks = b * hkv * splits;
   auto out = torch::empty_like(q);
   auto lse = torch::empty({b, hkv, rows}, q.options().dtype(at::kFloat));
   std::vector<Partial> parts(tasks);
-  auto qf = q.to(at::kFloat).contiguous();
-  const float* qp = qf.data_ptr<float>();
-  const int32_t* bl = blocks.data_ptr<int32_t>();
-  const int32_t* cn = counts.data_ptr<int32_t>();
-  const bool* fl = full.data_ptr<bool>();
-  const bool* mk = mask.data_ptr<bool>();
-  const int32_t* ln = lens.data_ptr<int32_t>();
   const int32_t* pt = paged ? page_table.data_ptr<int32_t>() : nullptr;
-  const int64_t max_pages = paged ? page_table.size(1) : 0;
-  const int64_t mt = mask.size(0), mrows = mask.size(1), mn = mask.size(2);
-  auto run = [&](auto tag) {
+  const int64_t max_pages = paged ? page_table.size(1) : 0, mt = mask.size(0), mrows = mask.size(1), mn = mask.size(2);
+  auto run = [&](auto tag, auto engine, const auto* qp) {
     using T = decltype(tag);
+    using E = decltype(engine);
     const T* kp = k.data_ptr<T>();
     const T* vp = v.data_ptr<T>();
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    // A task: one (sequence, KV head)'s split in a contiguous cache; one sequence's split over all its KV heads in
+    // a paged one (attend_lanes).
+    const int64_t per_task = paged ? hkv : 1;
+    at::parallel_for(0, tasks / per_task, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t bh = task / splits, split = task % splits, bi = bh / hkv, h = bh % hkv;
-        const int64_t count = cn[bh];
-        const int64_t per = (count + splits - 1) / splits;
-        const int64_t c0 = std::min(count, split * per), c1 = std::min(count, c0 + per);
-        Partial& part = parts[task];
-        part.o.assign(rows * d, 0.f);
-        part.m.assign(rows, NEG_INF);
-        part.l.assign(rows, 0.f);
-        const int64_t t_index = mt == 1 ? 0 : (mt == b ? bi : bh);
-        const int64_t head_offset = paged ? h * bs * d : (bi * hkv + h) * n_ctx * d;
-        attend_split<T>(qp + bh * rows * d, rows, d, kp, vp, bl + bh * max_blocks, fl + bh * max_blocks, c0, c1, bs,
-                        ln[bi], paged ? pt + bi * max_pages : nullptr, page_stride, head_offset,
-                        mk + t_index * mrows * mn, mrows, mn, static_cast<float>(scale), part);
+        std::vector<Lane<std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>>> lanes;
+        for (int64_t lane = 0; lane < per_task; ++lane) {
+          const int64_t flat = paged ? ((task / splits) * hkv + lane) * splits + task % splits : task;
+          const int64_t bh = flat / splits, split = flat % splits, bi = bh / hkv, h = bh % hkv;
+          const int64_t count = counts.data_ptr<int32_t>()[bh], per = (count + splits - 1) / splits;
+          const int64_t c0 = std::min(count, split * per), c1 = std::min(count, c0 + per);
+          Partial& part = parts[flat];
+          part.o.assign(rows * d, 0.f);
+          part.m.assign(rows, NEG_INF);
+          part.l.assign(rows, 0.f);
+          const ListView lv{blocks.data_ptr<int32_t>() + bh * max_blocks, full.data_ptr<bool>() + bh * max_blocks,
+                            bs, lens.data_ptr<int32_t>()[bi], paged ? pt + bi * max_pages : nullptr,
+                            paged ? hkv * bs * d : 0, paged ? h * bs * d : (bi * hkv + h) * n_ctx * d, d};
+          const int64_t t_index = mt == 1 ? 0 : (mt == b ? bi : bh);
+          lanes.push_back({qp + bh * rows * d, groups_of(lv, c0, c1),
+                           MaskRows{mask.data_ptr<bool>() + t_index * mrows * mn, mrows, mn}, &part});
+        }
+        attend_lanes<T, E>(lanes, rows, kp, vp, d, static_cast<float>(scale));
       }
     });
-    // combine the splits of each (sequence, KV head) by log-sum-exp
     at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> o(d);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        for (int64_t r = 0; r < rows; ++r) {
-          float m = NEG_INF;
-          for (int64_t s = 0; s < splits; ++s) m = std::max(m, parts[bh * splits + s].m[r]);
-          float l = 0.f;
-          std::fill(o.begin(), o.end(), 0.f);
-          if (m != NEG_INF) {
-            for (int64_t s = 0; s < splits; ++s) {
-              const Partial& part = parts[bh * splits + s];
-              if (part.m[r] == NEG_INF) continue;
-              const float w = std::exp(part.m[r] - m);
-              l += part.l[r] * w;
-              for (int64_t x = 0; x < d; ++x) o[x] += part.o[r * d + x] * w;
-            }
-          }
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          for (int64_t x = 0; x < d; ++x) o[x] *= inv;
-          T* dst = out.data_ptr<T>() + (bh * rows + r) * d;
-          if constexpr (std::is_same_v<T, float>) {
-            std::memcpy(dst, o.data(), d * sizeof(float));
-          } else {
-            at::vec::convert(o.data(), dst, d);
-          }
-          lse.data_ptr<float>()[bh * rows + r] = l > 0.f ? m + std::log(l) : NEG_INF;
-        }
-      }
+      for (int64_t bh = begin; bh < end; ++bh) combine(parts, bh, splits, rows, d, out.data_ptr<T>(), lse.data_ptr<float>());
     });
   };
+  auto qf = q.to(at::kFloat).contiguous();
+  const float* qfp = qf.data_ptr<float>();
   switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(at::BFloat16{}); break;
+#if defined(CPU_CAPABILITY_AVX512)
+    case at::kFloat: run(float{}, FmaEngine<float>{}, qfp); break;
+    case at::kBFloat16:
+      if (bf16_dot) {
+        run(at::BFloat16{}, DotEngine{}, reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()));
+      } else {
+        run(at::BFloat16{}, FmaEngine<at::BFloat16>{}, qfp);
+      }
+      break;
+#else
+    case at::kFloat: run(float{}, PortableEngine<float>{}, qfp); break;
+    case at::kBFloat16: run(at::BFloat16{}, PortableEngine<at::BFloat16>{}, qfp); break;
+#endif
     default: TORCH_CHECK(false, "float32 or bfloat16, not ", q.scalar_type());
   }
   return {out, lse};
+}
+
+// Which engine this build runs for a dtype (the record's config.decode_engine).
+std::string engine_name(py::object dtype, bool bf16_dot) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool bf16 = torch::python::detail::py_object_to_dtype(dtype) == at::kBFloat16;
+  return bf16 && bf16_dot ? "avx512_bf16_dot" : "avx512_fma";
+#else
+  return "portable";
+#endif
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "a few query rows over a KV cache read in place (CPU)");
+  m.def("engine_name", &engine_name, "the products' engine for a dtype");
 }

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from impls.blocked.kernel import KERNEL_DTYPES, build_extension, build_failure
+from impls.blocked.kernel import KERNEL_DTYPES, build_extension, build_failure, has_bf16_dot_products
 
 DECODE_ROWS = 16  # q_len the decode path takes (a few queries: decode, speculative decoding)
 HEAD_DIM_MULTIPLE = 32  # the loops read two float vectors of the head dimension at a time (2 x 16 on AVX512)
@@ -121,7 +121,22 @@ def decode_attention(plan: DecodePlan, q: Tensor, k: Tensor, v: Tensor, scale: f
     if lens is None:
         lens = torch.full((b,), k.shape[2], dtype=torch.int32)
     table = page_table if page_table is not None else torch.empty(0, dtype=torch.int32)
-    splits = splits_for(b * hkv, plan.blocks.shape[1])
+    # a paged task walks one sequence's KV heads together (decode.cpp): the threads share sequences, not heads
+    splits = splits_for(b if page_table is not None else b * hkv, plan.blocks.shape[1])
     out, lse = module.decode_attention(rows.contiguous(), k, v, table, plan.blocks, plan.counts, plan.full,
-                                       plan.mask, lens.to(torch.int32), plan.block, scale, splits)
+                                       plan.mask, lens.to(torch.int32), plan.block, scale, splits,
+                                       _bf16_dot(q.dtype))
     return out.view(b, h, nq, d), lse.view(b, h, nq)
+
+
+def _bf16_dot(dtype: torch.dtype) -> bool:
+    """Whether bfloat16 products run on AVX512-BF16's dot-product instruction (detected at run time: the CPU
+    changes between machines that share a build)."""
+    return dtype == torch.bfloat16 and has_bf16_dot_products()
+
+
+def decode_engine(dtype: torch.dtype) -> str:
+    """The products' engine the decode kernel runs for `dtype` here (the record's config.decode_engine):
+    avx512_bf16_dot, avx512_fma or portable."""
+    module = decode_module()
+    return "unbuilt" if module is None else str(module.engine_name(dtype, _bf16_dot(dtype)))

@@ -140,13 +140,13 @@ def unavailable_reason(q: Tensor, block_size: int) -> str | None:
     module = kernel_module()
     if module is None:
         return _unavailable
-    if q.dtype == torch.bfloat16 and not (module.library_packs(q.dtype) or _has_bf16_dot_products()):
+    if q.dtype == torch.bfloat16 and not (module.library_packs(q.dtype) or has_bf16_dot_products()):
         return ("bfloat16 on a CPU with neither AMX nor AVX512-BF16: its batch-reduce GEMM would emulate the "
                 "bfloat16 products")
     return None
 
 
-def _has_bf16_dot_products() -> bool:
+def has_bf16_dot_products() -> bool:
     """AVX512-BF16 (Zen 4, Cooper Lake and later): oneDNN's batch-reduce GEMM runs bfloat16 on its dot-product
     instruction, on B operands this module packs itself."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":

@@ -36,7 +36,7 @@ def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
             sig[name] = "constexpr"
         elif name in _TENSORS:
             sig[name] = f"*{_DTYPES[dtype]}"
-        elif name in ("LSE", "DELTA", "BIAS"):
+        elif name in ("LSE", "DELTA", "BIAS", "O_PART", "LSE_PART"):
             sig[name] = "*fp32"
         elif name.startswith(("row_", "col_", "mask_")):
             sig[name] = "*i32"
@@ -50,7 +50,7 @@ def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
 
 
 def compile_kernel(kernel: str, config, arch: int, head_dim: int, dtype: str, mask_kind: int,
-                   mod_kind: int = 0) -> dict:
+                   mod_kind: int = 0, packed_rows: int = 16) -> dict:
     """Compile one kernel for sm_<arch>; returns its shared memory, or the compiler's error."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -62,16 +62,22 @@ def compile_kernel(kernel: str, config, arch: int, head_dim: int, dtype: str, ma
     constexprs: dict = {"D": head_dim, "HEAD_DIM": launch.padded_head_dim(head_dim)}
     if kernel == "attn_bwd_preprocess":
         constexprs["BLOCK_M"] = launch.PREPROCESS_BLOCK
+    elif kernel == "attn_decode_combine":
+        constexprs["BLOCK_S"] = 64
     else:
         constexprs.update(MASK_KIND=mask_kind, HAS_DILATION=mask_kind == 1, HAS_GLOBAL=mask_kind == 1,
                           WORDS=-(-config.block_n // 32), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           DOT_F32=False, MOD_KIND=mod_kind)
         constexprs.update({name: 1 for name in fn.arg_names if name.startswith("stride_") and name.endswith("d")})
+        if kernel == "attn_fwd_decode":  # the table's query tile, and the packed rows of a GQA group
+            constexprs.update(TILE_M=config.block_m, BLOCK_M=packed_rows)
     sig, attrs = _signature(fn, dtype, constexprs)
     target = GPUTarget("cuda", arch, 32)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     result = {"kernel": kernel, "arch": arch, "config": config.label, "head_dim": head_dim, "dtype": dtype,
               "mask_kind": mask_kind, "mod_kind": mod_kind, "shared_limit": SHARED_LIMIT.get(arch)}
+    if kernel == "attn_fwd_decode":
+        result["packed_rows"] = packed_rows
     t0 = time.perf_counter()
     try:
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options)
@@ -90,15 +96,26 @@ def check(archs: list[int], head_dim: int, dtype: str, mask_kinds: list[int], mo
 
     plan = [("attn_fwd", launch.FWD_CONFIGS), ("attn_bwd_dkdv", launch.DKDV_CONFIGS),
             ("attn_bwd_dq", launch.DQ_CONFIGS)]
+    from impls.triton_block_sparse import decode
+
     results = []
     for arch in archs:
         results.append(compile_kernel("attn_bwd_preprocess", launch.TileConfig(64, 64, 4, 1), arch, head_dim,
+                                      dtype, 0))
+        results.append(compile_kernel("attn_decode_combine", launch.TileConfig(64, 64, 4, 1), arch, head_dim,
                                       dtype, 0))
         for kernel, configs in plan:
             for mask_kind in mask_kinds:
                 for mod_kind in mod_kinds or [0]:
                     for config in configs:
                         results.append(compile_kernel(kernel, config, arch, head_dim, dtype, mask_kind, mod_kind))
+        # decode: one GQA group's packed rows (G * q_len: 4 x 1 at Llama-3-8B, the most allowed), no bias
+        for mask_kind in mask_kinds:
+            for mod_kind in [m for m in mod_kinds or [0] if m != 2]:
+                for config in decode.DECODE_CONFIGS:
+                    for packed in (16, decode.DECODE_MAX_PACKED):
+                        results.append(compile_kernel("attn_fwd_decode", config, arch, head_dim, dtype, mask_kind,
+                                                      mod_kind, packed))
     return results
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from bench.registry import Impl, register
-from impls.triton_block_sparse import launch, mode
+from impls.triton_block_sparse import decode, launch, mode
 from impls.triton_block_sparse.score_mods import mod_args
 
 
@@ -48,7 +48,12 @@ class TritonBlockSparse(Impl):
 
     def prepare(self, case, pattern, q, k, v):
         needs_grad = any(t.requires_grad for t in (q, k, v))
-        plan = launch.plan_attention(pattern, q, k, v, needs_grad, mod_args(case, q.device))
+        mod = mod_args(case, q.device)
+        if decode.takes(pattern, q, k, needs_grad, mod):  # a few query rows over a long cache: split the keys
+            split = decode.plan_decode(pattern, q, k, v, mod)
+            self._extras = split.describe()
+            return decode.call_for(q, k, v, split)
+        plan = launch.plan_attention(pattern, q, k, v, needs_grad, mod)
         self._extras = plan.describe()
 
         def call():

@@ -29,6 +29,7 @@ from impls.triton_block_sparse.kernel_masks import (
     TWO_LOG2E,
     _allowed,
 )
+from impls.triton_block_sparse.kernels_decode import attn_decode_combine, attn_fwd_decode  # noqa: F401
 
 # The interpreter re-patches triton.language on every call of a jit helper, so the hot loops call at most
 # two helpers per tile (the tile function and, in partial tiles, `_allowed`); loads and dots are inline.

@@ -89,3 +89,30 @@ class Wrong(_Planted):
 
     def prepare(self, case, pattern, q, k, v):
         return lambda: v * 1.5
+
+
+@register
+class StickyDeviceError(_Planted):
+    name = "fault_sticky"
+
+    def prepare(self, case, pattern, q, k, v):
+        def call():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (planted)")
+
+        return call
+
+
+@register
+class SaysItsProcess(_Planted):
+    """Correct dense attention whose record names the worker process that measured it."""
+
+    name = "fault_pid"
+
+    def prepare(self, case, pattern, q, k, v):
+        from bench.registry import get
+
+        self._pid = os.getpid()
+        return get("dense").prepare(case, pattern, q, k, v)
+
+    def record_extras(self):
+        return {"pid": self._pid}

@@ -1,0 +1,1 @@
+"""Interoperation with other benchmarking formats: `flashinfer` (FlashInfer-Bench's FlashInfer Trace)."""

@@ -1,0 +1,41 @@
+"""Gradient fidelity of a selection ([R4 3/6]): how far training through a selected attention moves q, k, v from
+where dense attention would move them. dq, dk, dv of the float64 oracle under the selection's effective mask
+against dense attention's under the base pattern, from the same upstream gradient (the case's seeded one, on the
+oracle's checked rows): each tensor's relative L2 distance and cosine, computed once per case."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bench.measure.check import GRAD_NAMES, Grads, OracleResults, checked_rows, rows_only
+from bench.measure.reference import reference_attention
+from bench.patterns import Pattern
+from bench.results.records import GradFidelity
+from bench.spec.case import Case
+
+
+def dense_grads(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor,
+                oracle: OracleResults) -> Grads:
+    """Dense attention's float64 dq, dk, dv under the base pattern for the checked rows' upstream gradient
+    (kept in `oracle` for the case's next implementations)."""
+    if oracle.grads is None:
+        rows = checked_rows(case)
+        g = rows_only(case, grad_out, rows)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(q64, k64, v64, pattern, rows, score_mod=case.make_score_mod())
+        dq, dk, dv = torch.autograd.grad(ref, (q64, k64, v64), g[:, :, rows.to(g.device)].double())
+        oracle.grads = (dq, dk, dv)
+    return oracle.grads
+
+
+def gradient_fidelity(selected: Grads, dense: Grads) -> dict[str, GradFidelity]:
+    """Per tensor: the selection's gradient's relative L2 distance from dense attention's, and their cosine."""
+    out = {}
+    for name, s, d in zip(GRAD_NAMES, selected, dense, strict=True):
+        s64, d64 = s.detach().double().flatten(), d.detach().double().flatten().to(s.device)
+        norm = float(torch.linalg.vector_norm(d64))
+        rel = float(torch.linalg.vector_norm(s64 - d64)) / norm if norm > 0 else float(torch.linalg.vector_norm(s64))
+        cos = float(torch.nn.functional.cosine_similarity(s64, d64, dim=0)) if norm > 0 else None
+        out[name] = GradFidelity(rel_l2=rel, cosine=cos)
+    return out
