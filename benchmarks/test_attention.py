@@ -15,10 +15,10 @@ import torch
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.measure.check import check_against_oracle
+from bench.measure.case_cache import CaseCache
 from bench.measure.flops import useful_flops
-from bench.measure.pair import CaseCache
-from bench.measure.steps import call_inputs, prepare_call, skip_reason, timed_step
+from bench.measure.prepare import prepare
+from bench.measure.steps import call_inputs, make_inputs, skip_reason
 from bench.spec.case import Case, resolve_device
 
 
@@ -28,8 +28,8 @@ def _synchronize(device: str) -> None:
 
 
 def test_attention(benchmark: Any, pair: tuple[Case, str, Any], request: pytest.FixtureRequest) -> None:
-    """The steps of bench.measure.pair (skip, pattern, inputs, prepare and first call, oracle check), then
-    pytest-benchmark's timer instead of ours."""
+    """The steps of bench.measure.pair (skip, pattern, inputs, the case prepared by its kind, the first call's
+    oracle check), then pytest-benchmark's timer instead of ours."""
     case, impl_name, measure = pair
     config = request.config
     case = case.with_device(resolve_device(config.getoption("--bench-device") or case.device))
@@ -42,16 +42,16 @@ def test_attention(benchmark: Any, pair: tuple[Case, str, Any], request: pytest.
 
     cache = CaseCache()
     pattern = cache.for_case(case)
-    q, k, v, grad_out = call_inputs(case)
-    try:
-        prepared = prepare_call(impl, case, pattern, q, k, v)
+    cache.inputs = make_inputs(case)
+    q, k, v, grad_out = call_inputs(case, cache.inputs)
+    try:  # the selection case with its selector, the paged case through its page table (bench.measure.prepare)
+        prepared = prepare(impl, case, pattern, q, k, v, grad_out, cache)
     except Unavailable as exc:
         pytest.skip(exc.reason)
-    error, problem = check_against_oracle(case, impl, pattern, q, k, v, prepared.first_output, grad_out,
-                                          full=measure.check)
+    error, problem = prepared.check(measure.check, cache.oracle)
     assert problem is None, f"{impl_name} on {case.case_id}: {problem}"
 
-    step = timed_step(prepared.fn, q, k, v, grad_out)
+    step = prepared.step
     flush = None
     if case.device == "cuda":
         from bench.measure.timing import CudaTimer
@@ -69,6 +69,7 @@ def test_attention(benchmark: Any, pair: tuple[Case, str, Any], request: pytest.
 
     benchmark.extra_info.update({"case_id": case.case_id, "impl": impl_name, "device": case.device,
                                  "flops": useful_flops(case, pattern.nnz),
-                                 "density": pattern.density, "rel_l2": error.get("rel_l2")})
+                                 "density": pattern.density, "rel_l2": error.rel_l2,
+                                 "kind": prepared.kind})
     benchmark.pedantic(target, setup=setup, rounds=config.getoption("--bench-rounds") or measure.repeat,
                        warmup_rounds=measure.warmup, iterations=1)
