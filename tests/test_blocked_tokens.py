@@ -56,3 +56,35 @@ def test_the_union_lists_each_kept_token_once_and_says_which_row_kept_it():
     union, member = _tile_tokens(kept, 10)
     assert union.tolist() == [2, 5, 7, 9]
     assert member.tolist() == [[True, True, False, False], [True, False, True, True], [False] * 4]
+
+
+@pytest.mark.parametrize("union_factor", [0.0, 1e9], ids=["per_row", "union"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_token_paths_match_the_oracle_forward_and_backward(monkeypatch, union_factor, dtype):
+    """A tile goes through the union of its rows' tokens or through each row's own (UNION_FACTOR): forced each
+    way, on ragged rows (-1 in the middle as well as at the end), GQA, a shared selection."""
+    import impls.blocked.tokens as tokens
+
+    monkeypatch.setattr(tokens, "UNION_FACTOR", union_factor)
+    monkeypatch.setattr(tokens, "ROW_TILE", 16)
+    gen = torch.Generator().manual_seed(1)
+    pattern = make_pattern("causal", 80)
+    q = torch.randn(1, 4, 80, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 80, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    idx = torch.argsort(torch.rand(1, 1, 80, 80, generator=gen), dim=-1)[..., :10].sort(dim=-1).values
+    idx[..., 3] = -1  # padding in the middle of every row
+    idx[:, :, 7, :] = -1  # a row that keeps nothing
+    selection = Selection(idx.to(torch.int32), 1, 1, "all")
+    expected = reference_attention(q, k, v, pattern, extra_mask=lambda r: effective_mask(selection, pattern, r, 4, 2))
+    q_, k_, v_ = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out, _ = tokens.token_attention(selection, pattern, q_, k_, v_, 16 ** -0.5)
+    assert compare(out, expected, 1e-4 if dtype == torch.float32 else 2e-2).passed
+    q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, _ = tokens.token_attention(selection, pattern, q64, k64, v64, 16 ** -0.5)
+    assert compare(ref, expected, 1e-10).passed  # float64 through the same path: the oracle's own answer
+    grad = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ref.backward(grad)
+    out.backward(grad.to(dtype))
+    for ours, exact in ((q_, q64), (k_, k64), (v_, v64)):
+        err = (ours.grad.double() - exact.grad).norm() / exact.grad.norm()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), err

@@ -212,7 +212,7 @@ class Blocked(Impl):
             self._extras["kernel_unavailable"] = kernel_missing
 
         def attend(selection):
-            if selection.kv_unit == 1:  # tokens: the union of each tile's rows' tokens (impls/blocked/tokens.py)
+            if selection.kv_unit == 1:  # tokens: a tile over its rows' union or each row's own (blocked/tokens.py)
                 self._extras["path"] = "token_union"
                 return token_attention(selection, pattern, q, k, v, scale)
             if kernel_missing is not None:

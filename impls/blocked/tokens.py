@@ -1,14 +1,16 @@
 """`blocked` over a selection of tokens (DSA's lightning indexer keeps, per query row, its top tokens): torch ops
-over the union of a tile's rows' tokens.
+over the union of a tile's rows' tokens, or over each row's own tokens where that union is wide.
 
 A token selection has no block structure to lean on: the kept tokens of a row are scattered over the whole
 context, so reading whole key blocks touches nearly every block at a budget of 1/8, and a dense mask of
 (B, H, q_len, N) booleans holds 40 GB at 16K. Here the rows go in tiles of ROW_TILE; per tile and selection head
 the tokens some row kept are gathered once (their keys and values, every KV head), the tile's rows are scored
 against that union only, each row masked to its own tokens and the base pattern, then softmax and products.
-Adjacent queries keep mostly the same tokens (the indexer scores them alike), so the union stays near one row's
-count and the work near the selection's density. Autograd differentiates it (fwd_bwd); the selection is not
-differentiated.
+Where adjacent queries keep mostly the same tokens the union stays near one row's count and the work near the
+selection's density. Where they do not (measured on structured inputs at 4K: the union of 32 rows held 7.5x one
+row's tokens), each row's own tokens are gathered instead, per KV head (the group's query heads share each
+gathered key), and scored in one batched product over the tile's rows: the work is the selection's own, paid in
+gathers and small products. Autograd differentiates both (fwd_bwd); the selection is not differentiated.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from torch import Tensor
 
 from bench.selection import Selection
 
-ROW_TILE = 32  # query rows per tile: the union of fewer rows' tokens is tighter; more rows make a larger GEMM
+ROW_TILE = 64  # query rows per tile: the union of fewer rows' tokens is tighter; more rows make a larger GEMM
+# A tile goes through the union when it holds at most this many times the tokens its rows keep on average: past
+# that the union's GEMM computes more scores than the per-row products gather keys.
+UNION_FACTOR = 2.0
 
 
 def _tile_tokens(kept: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -35,6 +40,49 @@ def _tile_tokens(kept: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return union, member[:, :-1]
 
 
+def _softmax_products(scores: Tensor, allowed: Tensor, values: Tensor, v_dtype: torch.dtype
+                      ) -> tuple[Tensor, Tensor]:
+    """(probs @ values, lse float32) of `scores` masked to `allowed` (a row with nothing allowed: zeros, -inf)."""
+    scores = scores.masked_fill(~allowed, -math.inf)
+    row_lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - row_lse.masked_fill(torch.isinf(row_lse), 0.0).unsqueeze(-1))
+    return probs.to(v_dtype) @ values, row_lse.float()
+
+
+def _union_tile(q_heads: Tensor, keys: Tensor, values: Tensor, kv: Tensor, kept: Tensor, base_rows: Tensor,
+                union: Tensor, member: Tensor, scale: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(out (h_s, r, D), lse (h_s, r)) of a tile's rows over the union of their tokens: one GEMM per head.
+    q_heads (h_s, r, D); keys, values (Hkv, N, D) of one batch; kv (h_s,) the KV head of each query head."""
+    allowed = member & base_rows[:, union.to(base_rows.device)].to(q_heads.device)  # (r, U)
+    u_keys, u_values = keys[:, union][kv], values[:, union][kv]  # (h_s, U, D): only the union is copied
+    scores = (q_heads.to(acc) @ u_keys.to(acc).transpose(-1, -2)) * scale  # (h_s, r, U)
+    return _softmax_products(scores, allowed, u_values, values.dtype)
+
+
+def _per_row_tile(q_heads: Tensor, keys: Tensor, values: Tensor, kv: Tensor, kept: Tensor, rows: Tensor,
+                  pattern, scale: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(out (h_s, r, D), lse (h_s, r)) of a tile's rows each over its own kept tokens: per KV head the rows' keys
+    gathered once (r, K, D) and the group's query heads scored against them in one batched product. keys are
+    already in the accumulation dtype (converted once per call, not per gather)."""
+    h_s, r, d = q_heads.shape
+    # -1 (none) to the end of each row, then only the columns some row uses: a tile of early causal rows keeps a
+    # fraction of the selection's width K (its last row's count)
+    kept = kept.sort(dim=-1, descending=True).values[:, : int((kept >= 0).sum(dim=-1).max())]
+    token = kept.clamp(min=0).to(torch.int64)  # (r, K); -1 (none) reads token 0 and is masked out
+    allowed = (kept >= 0) & pattern.mask(rows[:, None], token.cpu()).to(kept.device)  # (r, K)
+    out = q_heads.new_zeros(h_s, r, d, dtype=acc)
+    lse = torch.full((h_s, r), -math.inf, dtype=torch.float32, device=q_heads.device)
+    for g in torch.unique(kv).tolist():
+        at = (kv == g).nonzero().flatten()
+        g_keys, g_values = keys[g][token], values[g][token]  # (r, K, D)
+        group_q = q_heads[at].transpose(0, 1).to(acc)  # (r, h_g, D)
+        scores = (group_q @ g_keys.transpose(-1, -2)) * scale  # (r, h_g, K)
+        g_out, g_lse = _softmax_products(scores, allowed[:, None, :], g_values, values.dtype)
+        out[at] = g_out.transpose(0, 1).to(acc)
+        lse[at] = g_lse.transpose(0, 1)
+    return out, lse
+
+
 def token_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tensor, scale: float
                     ) -> tuple[Tensor, Tensor]:
     """(out (B, H, q_len, D), lse (B, H, q_len) float32) of attention over a token selection (kv_unit 1) under
@@ -46,30 +94,32 @@ def token_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tens
     heads_of = selection.head_index(h, hkv)  # (H,) the selection head of each query head
     kv_of = torch.arange(h) // group  # (H,) the KV head of each query head
     unit_of_row = torch.arange(nq) // selection.q_unit
+    keys_acc = k.to(acc)  # the per-row path scores gathered keys in acc: convert the cache once, not each gather
     outs: list[Tensor] = []
     lses: list[Tensor] = []
     for start in range(0, nq, ROW_TILE):
         rows = torch.arange(start, min(start + ROW_TILE, nq))
-        base = pattern.mask(rows[:, None], torch.arange(n)[None, :])  # (r, N) the base pattern's rows
+        base_rows: Tensor | None = None  # the base pattern's rows over every key, made if a union needs it
         tile_out = q.new_zeros(b, h, len(rows), d, dtype=acc)
         tile_lse = torch.full((b, h, len(rows)), -math.inf, dtype=torch.float32, device=q.device)
         for bi in range(b):
             for s in torch.unique(heads_of).tolist():
                 heads = (heads_of == s).nonzero().flatten()
                 kept = selection.indices[bi, s, unit_of_row[rows]].to(q.device)  # (r, K)
-                union, member = _tile_tokens(kept, n)
-                if union.numel() == 0:
+                kept_per_row = float((kept >= 0).sum()) / len(rows)
+                if kept_per_row == 0:
                     continue
-                allowed = member & base[:, union.cpu()].to(q.device)  # (r, U)
+                q_heads = q[bi, :, start : start + len(rows)][heads.to(q.device)]  # (h_s, r, D)
                 kv = kv_of[heads].to(q.device)
-                keys = k[bi][kv][:, union]  # (h_s, U, D)
-                values = v[bi][kv][:, union]
-                scores = (q[bi, heads.to(q.device)][:, rows.to(q.device)].to(acc) @ keys.to(acc).transpose(-1, -2))
-                scores = (scores * scale).masked_fill(~allowed, -math.inf)  # (h_s, r, U)
-                row_lse = torch.logsumexp(scores, dim=-1)
-                probs = torch.exp(scores - row_lse.masked_fill(torch.isinf(row_lse), 0.0).unsqueeze(-1))
-                tile_out[bi, heads] = (probs.to(v.dtype) @ values).to(acc)
-                tile_lse[bi, heads] = row_lse.float()
+                union, member = _tile_tokens(kept, n)
+                if union.numel() <= UNION_FACTOR * kept_per_row:
+                    if base_rows is None:
+                        base_rows = pattern.mask(rows[:, None], torch.arange(n)[None, :])  # (r, N)
+                    out, lse = _union_tile(q_heads, k[bi], v[bi], kv, kept, base_rows, union, member, scale, acc)
+                else:
+                    out, lse = _per_row_tile(q_heads, keys_acc[bi], v[bi], kv, kept, rows, pattern, scale, acc)
+                tile_out[bi, heads] = out.to(acc)
+                tile_lse[bi, heads] = lse
         outs.append(tile_out)
         lses.append(tile_lse)
     return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
