@@ -27,11 +27,15 @@ from bench.selection.registry import register_selector
 from bench.selection.units import allowed_units, budget_counts, topk_indices
 
 CHUNK_ELEMENTS = 1 << 26  # float32 scores held at once (B * H * rows * N)
-# A unit's float32 mass is trusted to this share of its query unit's total mass (a sum of q_unit x group rows of
-# one each): float32 softmax terms carry ~1e-7 relative error and a row sums up to N of them, so the error of a
-# unit's mass stays orders of magnitude below this. Where the last kept and the first dropped unit are closer than
-# that, the masses are computed again in float64 before choosing.
-TIE_TOLERANCE = 1e-5
+# A unit's float32 mass is trusted to this share of itself. Its error is relative: the scores of bfloat16 or
+# float32 inputs carry an absolute error of ~D * eps * sum|q_i k_i| / sqrt(D) (~1e-4 at the scores of structured
+# inputs), which exp turns into the same relative error of each term; the sums, the division by the row's total
+# and the sum over the unit's rows add ~log(N) eps relative. Where the last kept and the first dropped unit are
+# closer than this share of the larger, the masses are computed again in float64 before choosing.
+TIE_RELATIVE = 1e-3
+# Masses below this share of the query unit's total (far above float32's subnormals, where the relative bound
+# above no longer holds, and exp's underflow to 0) count as equal whenever they are this close.
+TIE_FLOOR = 1e-30
 # Query units are taken in at least this many chunks, each over the span of keys its rows may attend to: a causal
 # pattern's chunks then skip about half the keys, a window's all but its band.
 SPAN_CHUNKS = 8
@@ -93,8 +97,8 @@ def unit_masses(q: Tensor, k: Tensor, pattern: Any, q_unit: int, kv_unit: int, s
 
 
 def _near_ties(masses: Tensor, wanted: Tensor) -> Tensor:
-    """bool (B, H_sel, u): whether the last unit kept and the first dropped are within TIE_TOLERANCE of the unit's
-    total mass (masses: -inf where not allowed)."""
+    """bool (B, H_sel, u): whether the last unit kept and the first dropped are within TIE_RELATIVE of the larger
+    (or TIE_FLOOR of the unit's total mass) (masses: -inf where not allowed)."""
     k = int(wanted.max()) if wanted.numel() else 0
     if k == 0 or k >= masses.shape[-1]:
         return torch.zeros(masses.shape[:-1], dtype=torch.bool, device=masses.device)
@@ -102,7 +106,8 @@ def _near_ties(masses: Tensor, wanted: Tensor) -> Tensor:
     at = wanted.clamp(min=1, max=k).unsqueeze(-1).to(torch.int64)
     last_kept, first_dropped = top.gather(-1, at - 1), top.gather(-1, at)
     total = masses.clamp_min(0).nan_to_num(0.0).sum(dim=-1, keepdim=True)
-    close = (last_kept - first_dropped).abs() <= TIE_TOLERANCE * total
+    bound = torch.maximum(TIE_RELATIVE * torch.maximum(last_kept, first_dropped).clamp_min(0), TIE_FLOOR * total)
+    close = (last_kept - first_dropped).abs() <= bound
     return (close & torch.isfinite(first_dropped) & (wanted.unsqueeze(-1) > 0)).squeeze(-1)
 
 
@@ -129,9 +134,17 @@ def oracle_topk_indices(q: Tensor, k: Tensor, pattern: Any, q_unit: int, kv_unit
     k_max = max((int(w.max()) for _, w in chunks), default=0)
     out = []
     for masses, wanted in chunks:
-        picked = topk_indices(masses, wanted)
+        picked = _ascending(topk_indices(masses, wanted))
         out.append(torch.nn.functional.pad(picked, (0, k_max - picked.shape[-1]), value=-1))
     return torch.cat(out, dim=2)
+
+
+def _ascending(picked: Tensor) -> Tensor:
+    """`picked` (..., K) with each row's units in ascending order, -1 last: a selection is a set, and the order
+    topk leaves (by mass) would let rounding between two kept units' masses change the output."""
+    past = torch.iinfo(picked.dtype).max
+    ordered = torch.where(picked < 0, past, picked).sort(dim=-1).values
+    return torch.where(ordered == past, -1, ordered)
 
 
 @register_selector("oracle_topk", q_unit="block", kv_unit="block", shared="head", takes="budget",
