@@ -49,8 +49,8 @@ def _softmax_products(scores: Tensor, allowed: Tensor, values: Tensor, v_dtype: 
     return probs.to(v_dtype) @ values, row_lse.float()
 
 
-def _union_tile(q_heads: Tensor, keys: Tensor, values: Tensor, kv: Tensor, kept: Tensor, base_rows: Tensor,
-                union: Tensor, member: Tensor, scale: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+def _union_tile(q_heads: Tensor, keys: Tensor, values: Tensor, kv: Tensor, base_rows: Tensor, union: Tensor,
+                member: Tensor, scale: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
     """(out (h_s, r, D), lse (h_s, r)) of a tile's rows over the union of their tokens: one GEMM per head.
     q_heads (h_s, r, D); keys, values (Hkv, N, D) of one batch; kv (h_s,) the KV head of each query head."""
     allowed = member & base_rows[:, union.to(base_rows.device)].to(q_heads.device)  # (r, U)
@@ -115,7 +115,7 @@ def token_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tens
                 if union.numel() <= UNION_FACTOR * kept_per_row:
                     if base_rows is None:
                         base_rows = pattern.mask(rows[:, None], torch.arange(n)[None, :])  # (r, N)
-                    out, lse = _union_tile(q_heads, k[bi], v[bi], kv, kept, base_rows, union, member, scale, acc)
+                    out, lse = _union_tile(q_heads, k[bi], v[bi], kv, base_rows, union, member, scale, acc)
                 else:
                     out, lse = _per_row_tile(q_heads, keys_acc[bi], v[bi], kv, kept, rows, pattern, scale, acc)
                 tile_out[bi, heads] = out.to(acc)
