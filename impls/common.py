@@ -31,6 +31,15 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
 
 
+def masked_lse_softmax(scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(probs, lse) over the last dim where `mask` allows, through the log-sum-exp the caller also returns: a row
+    with no allowed entry gives zeros and lse -inf."""
+    scores = scores.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+    return probs, lse
+
+
 def masked_softmax_(scores: Tensor, mask: Tensor) -> Tensor:
     """In-place `masked_softmax` for inference: no second score-sized buffer."""
     scores.masked_fill_(~mask, -math.inf)

@@ -6,14 +6,19 @@ Grouped-query attention without copying K or V: the query heads of one KV head a
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
-
-import torch
 
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
-from impls.common import accum_dtype, masked_softmax, masked_softmax_, positions, score_mod_fn, softmax_scale
+from impls.common import (
+    accum_dtype,
+    masked_lse_softmax,
+    masked_softmax,
+    masked_softmax_,
+    positions,
+    score_mod_fn,
+    softmax_scale,
+)
 
 
 @register
@@ -73,9 +78,7 @@ class Dense(Impl):
             mask = selection.dense_mask(base, h, hkv)  # (B, H, Nq, N)
             grouped = q.reshape(b, hkv, h // hkv * nq, d)
             scores = (grouped.to(acc) @ k.to(acc).transpose(-1, -2)).view(b, h, nq, n) * scale
-            scores = scores.masked_fill(~mask, -math.inf)
-            lse = torch.logsumexp(scores, dim=-1)  # (B, H, Nq); -inf on rows without a key
-            probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+            probs, lse = masked_lse_softmax(scores, mask)  # lse (B, H, Nq); -inf on rows without a key
             out = probs.to(v.dtype).view(b, hkv, -1, n) @ v
             return out.view(b, h, nq, d).to(q.dtype), lse
 

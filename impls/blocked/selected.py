@@ -23,6 +23,7 @@ from torch import Tensor
 
 from bench.selection import Selection
 from impls.blocked.kernel import HeadTables
+from impls.common import accum_dtype, masked_lse_softmax
 
 GATHER_ELEMENTS = 1 << 24  # gathered key elements (per chunk of query blocks) the torch path holds at once
 # Query rows per kernel tile for selections per row: the tile runs over the union of its rows' blocks, so fewer
@@ -103,7 +104,7 @@ def gathered_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: T
     width = max(int(blocks.sum(dim=-1).max()) if blocks.numel() else 0, 1)
     order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)[..., :width]
     kept = torch.gather(blocks, -1, order)  # (B, H, QB, W)
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    acc = accum_dtype(q.dtype)
     rows_all = torch.arange(nq, device=q.device)
     unit_of_row = rows_all // selection.q_unit
     kv_units = selection.unit_mask(nkb)  # (B, H_sel, U, KB)
@@ -132,9 +133,7 @@ def gathered_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: T
         own = torch.gather(own, -1, idx[:, :, :, None, :].expand(-1, -1, -1, bs, -1))  # (B, H, c, bs, W)
         allowed &= own.repeat_interleave(bs, dim=-1)
         scores = (q_blocks[:, :, qbs].to(acc) @ keys.to(acc).transpose(-1, -2)) * scale  # (B, H, c, bs, W*bs)
-        scores = scores.masked_fill(~allowed, -math.inf)
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+        probs, lse = masked_lse_softmax(scores, allowed)
         outs.append((probs.to(v.dtype) @ values).to(acc))
         lses.append(lse)
     out = torch.cat(outs, dim=2).reshape(b, h, nqb * bs, d)[:, :, :nq]

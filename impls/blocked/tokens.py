@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from bench.selection import Selection
+from impls.common import accum_dtype, masked_lse_softmax
 
 ROW_TILE = 64  # query rows per tile: the union of fewer rows' tokens is tighter; more rows make a larger GEMM
 # A tile goes through the union when it holds at most this many times the tokens its rows keep on average: past
@@ -43,9 +44,7 @@ def _tile_tokens(kept: Tensor, n: int) -> tuple[Tensor, Tensor]:
 def _softmax_products(scores: Tensor, allowed: Tensor, values: Tensor, v_dtype: torch.dtype
                       ) -> tuple[Tensor, Tensor]:
     """(probs @ values, lse float32) of `scores` masked to `allowed` (a row with nothing allowed: zeros, -inf)."""
-    scores = scores.masked_fill(~allowed, -math.inf)
-    row_lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - row_lse.masked_fill(torch.isinf(row_lse), 0.0).unsqueeze(-1))
+    probs, row_lse = masked_lse_softmax(scores, allowed)
     return probs.to(v_dtype) @ values, row_lse.float()
 
 
@@ -90,7 +89,7 @@ def token_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tens
     b, h, nq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = h // hkv
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    acc = accum_dtype(q.dtype)
     heads_of = selection.head_index(h, hkv)  # (H,) the selection head of each query head
     kv_of = torch.arange(h) // group  # (H,) the KV head of each query head
     unit_of_row = torch.arange(nq) // selection.q_unit
