@@ -10,8 +10,9 @@ and exits 2 after importing what is sound.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -79,26 +80,31 @@ def _schema_problems(file: str, exc: ValidationError, prefix: str = "") -> list[
     return list(seen.values())
 
 
-def _read_json(path: Path, rel: str, problems: list[Problem]) -> object | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        problems.append(Problem(file=rel, message=f"not readable JSON: {exc}"))
-        return None
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def _json_models(root: Path, folder: str, model: type[Model], problems: list[Problem]
+                 ) -> Iterator[tuple[str, Model]]:
+    """(file relative to root, validated model) of each JSON file under root/folder, in order; a file that is not
+    readable JSON or fails the schema becomes problems instead."""
+    for path in sorted((root / folder).rglob("*.json")):
+        rel = str(path.relative_to(root))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            problems.append(Problem(file=rel, message=f"not readable JSON: {exc}"))
+            continue
+        try:
+            validated = model.model_validate(data)
+        except ValidationError as exc:
+            problems.extend(_schema_problems(rel, exc))
+            continue
+        yield rel, validated
 
 
 def _definitions(root: Path, problems: list[Problem]) -> dict[str, LoadedDefinition]:
     found: dict[str, LoadedDefinition] = {}
-    for path in sorted((root / "definitions").rglob("*.json")):
-        rel = str(path.relative_to(root))
-        data = _read_json(path, rel, problems)
-        if data is None:
-            continue
-        try:
-            definition = Definition.model_validate(data)
-        except ValidationError as exc:
-            problems.extend(_schema_problems(rel, exc))
-            continue
+    for rel, definition in _json_models(root, "definitions", Definition, problems):
         if definition.name in found:
             problems.append(Problem(file=rel, field="name", message=f"got {definition.name!r}; "
                                     f"{found[definition.name].file} defines it already"))
@@ -162,16 +168,7 @@ def _solutions(root: Path, definitions: dict[str, LoadedDefinition], problems: l
                ) -> list[LoadedSolution]:
     found: list[LoadedSolution] = []
     names: dict[str, str] = {}
-    for path in sorted((root / "solutions").rglob("*.json")):
-        rel = str(path.relative_to(root))
-        data = _read_json(path, rel, problems)
-        if data is None:
-            continue
-        try:
-            solution = Solution.model_validate(data)
-        except ValidationError as exc:
-            problems.extend(_schema_problems(rel, exc))
-            continue
+    for rel, solution in _json_models(root, "solutions", Solution, problems):
         if solution.definition not in definitions:
             problems.append(Problem(file=rel, field="definition", message=f"got {solution.definition!r}; no such "
                                     "definition under definitions/"))
