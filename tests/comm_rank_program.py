@@ -142,6 +142,9 @@ def main() -> None:
     with use(comm):
         result = {"rank": rank, "backend": comm.backend, "ops": collectives(comm), "autograd": differentiable(comm)}
     print(json.dumps(result), flush=True)
+    # Every rank waits for the others before tearing down: a rank that leaves while a peer's last gloo op is
+    # still in flight makes that peer abort at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -53,6 +53,7 @@ def main() -> None:
                 comm.reset()
                 step()
                 out[label][name] = {str(p): b for p, b in comm.peers_snapshot().items()}
+    dist.barrier()  # no rank tears down while a peer's last gloo op is in flight (it would abort at exit)
     dist.destroy_process_group()
     print(json.dumps({"rank": rank, "cases": out}))
 
