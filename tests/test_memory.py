@@ -148,6 +148,10 @@ def _peaks(tmp, impls: list[str], defaults: dict, seq_lens: list[int]) -> dict[s
         assert r["memory"]["method"] == "rss_hwm" and r["memory"]["note"] is None
         assert r["memory"]["process"] == "fresh"  # a process forked for this measurement alone
         assert 0 < r["memory_s"] < r["wall_s"] and 0 <= r["check_s"] < r["wall_s"]
+        phases = r["phases_s"]  # the wall time split by phase, the memory probe and the check among them
+        assert {"pattern", "inputs", "prepare", "first call", "check", "timing", "memory"} <= set(phases)
+        assert sum(phases.values()) == pytest.approx(r["wall_s"], rel=1e-3, abs=1e-3)
+        assert phases["memory"] >= r["memory_s"] and phases["check"] >= r["check_s"]
         out[r["impl"]][r["params"]["seq_len"]] = r["memory"]["peak_bytes"]
     return out
 

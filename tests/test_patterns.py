@@ -99,6 +99,8 @@ def test_views_agree_with_each_other(name, n):
     mask = pattern.dense_mask()
     i = torch.arange(n)
     assert torch.equal(mask, pattern.allowed(i[:, None], i[None, :]))
+    scanned = make_pattern(name, n, **fields_for(name, n))  # nnz and used keys from their own scan, no csr
+    assert scanned.nnz == int(mask.sum()) and torch.equal(scanned.used_keys(), mask.any(dim=0))
     crow, col = pattern.csr()
     assert torch.equal(csr_to_dense(crow, col, n), mask)
     for r in range(n):  # columns sorted within each row

@@ -127,6 +127,21 @@ def test_chunked_equals_whole(name: str, monkeypatch: pytest.MonkeyPatch) -> Non
     assert units_module.row_chunks(70, 2 * 4 * 5)[:2] == [(0, 7), (7, 14)]
     assert torch.equal(select(q, k, case).indices, whole)
 
+@pytest.mark.parametrize(("q_unit", "kv_unit"), [(1, 1), (3, 5), (70, 1), (45, 4), (16, 16)])
+def test_allowed_units_in_chunks_equal_the_dense_mask(q_unit: int, kv_unit: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of a few rows, a query unit spanning several chunks (a decode's whole query, units that straddle
+    two chunks) included, give what the dense mask reduced to units gives."""
+    case = make_case("causal_gqa_ragged", "moba", budget=0.4)
+    pattern = case.make_pattern()
+    dense = pattern.dense_mask()  # (q_len, N)
+    q_units, kv_units = math.ceil(dense.shape[0] / q_unit), math.ceil(dense.shape[1] / kv_unit)
+    padded = torch.nn.functional.pad(dense, (0, kv_units * kv_unit - dense.shape[1],
+                                             0, q_units * q_unit - dense.shape[0]))
+    expected = padded.view(q_units, q_unit, kv_units, kv_unit).any(dim=3).any(dim=1)
+    monkeypatch.setattr(units_module, "CHUNK_ELEMENTS", 7 * dense.shape[1])  # 7 rows a chunk
+    assert torch.equal(units_module.allowed_units(case.make_pattern(), q_unit, kv_unit), expected)
+
 @pytest.mark.parametrize("name", FAST)
 def test_low_precision_inputs_select_as_their_float32_values(name: str) -> None:
     case = make_case("causal_gqa_ragged", name, budget=3, threshold=0.9)

@@ -129,6 +129,8 @@ class PairSession:
         self.draft = RecordDraft()
         self.timer = timer
         self.current = "start"
+        self.phases_s: dict[str, float] = {}  # wall seconds per phase, the harness's own cost beside the timing
+        self._phase_t0 = self._t0
         self.prepared: PreparedCase | None = None
         self.problem: str | None = None
         self.samples: list[float] = []
@@ -137,9 +139,10 @@ class PairSession:
     def _finish(self, **fields: Any) -> Record:
         if fields.get("status") == "failed":
             fields.setdefault("failure", "error")
+        self._close_phase()
         return Record(case_id=self.task.case_id, impl=self.task.impl, params=self.task.params,
                       started_at=self.started, **{**dict(self.draft), **fields},
-                      wall_s=time.perf_counter() - self._t0)
+                      wall_s=time.perf_counter() - self._t0, phases_s=dict(self.phases_s))
 
     def failed(self, exc: BaseException) -> Record:
         """The failed record of an exception in the current phase (an out-of-memory one says so)."""
@@ -147,8 +150,18 @@ class PairSession:
         return self._finish(status="failed", reason=reason, details=details, failure=failure_kind(exc))
 
     def _phase(self, name: str) -> None:
-        self.current = name
+        self._enter(name)
         self.phase(name)
+
+    def _enter(self, name: str) -> None:
+        """`name` is the current phase from now; the time since the last change goes to the phase it ends."""
+        self._close_phase()
+        self.current = name
+
+    def _close_phase(self) -> None:
+        now = time.perf_counter()
+        self.phases_s[self.current] = self.phases_s.get(self.current, 0.0) + (now - self._phase_t0)
+        self._phase_t0 = now
 
     def open(self) -> Record | None:
         """Everything before timing; a final Record when the pair cannot go on, else None."""
@@ -197,11 +210,11 @@ class PairSession:
         draft.inputs = cache.inputs.info()
         q, k, v, grad_out = call_inputs(case, cache.inputs)
         if self.task.measure.attention_stats:
-            self.current = "attention statistics"
+            self._enter("attention statistics")
             draft.attention_stats = case_attention_stats(case, pattern, cache)
         staged = stage_case(case, pattern, q, k, v, grad_out, cache, self._phase)
         draft.bytes = staged.bytes
-        self.current = "prepare"
+        self._enter("prepare")
         return staged
 
     def _check(self) -> Record | None:
@@ -280,7 +293,7 @@ class PairSession:
     def block(self, calls: int, min_s: float = 0.0) -> list[float]:
         """`calls` timed calls (more until `min_s` has passed), for interleaved A/B rounds; kept for the record."""
         assert self.timer is not None
-        self.current = "timing"
+        self._enter("timing")
         samples: list[float] = []
         self.contention.start()
         start = self.timer.clock()
@@ -288,6 +301,7 @@ class PairSession:
             samples.append(self.timer.time_call(self.step))
         self.contention.stop()
         self.samples += samples
+        self._enter("between blocks")  # the other side's block, or the runner's bookkeeping
         return samples
 
     def close_blocks(self) -> Record:

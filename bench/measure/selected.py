@@ -187,7 +187,7 @@ def selection_kv_rows(selection: Selection, pattern: Pattern, heads: int, kv_hea
     base_keys = allowed_units(pattern, max(1, pattern.q_len), 1)[0]  # (N,) keys some row may see
     per_unit = torch.nn.functional.pad(base_keys, (0, kv_units * selection.kv_unit - n)).view(
         kv_units, selection.kv_unit).sum(dim=-1)  # (KU,)
-    kept = selection.unit_mask(kv_units).any(dim=2).cpu()  # (B, H_sel, KU): kept by some query unit
+    kept = selection.kept_units(kv_units).cpu()  # (B, H_sel, KU): kept by some query unit
     heads_of = selection.head_index(heads, kv_heads)
     by_kv = torch.zeros(kept.shape[0], kv_heads, kv_units, dtype=torch.bool)
     for h in range(heads):  # a KV head reads what any of its query heads' selections keep

@@ -175,8 +175,28 @@ class PatternViews:
             if ("csr",) in self._cache:
                 self._cache[key] = int(self.csr()[0][-1])
             else:
-                self._cache[key] = sum(int(ok.sum()) for *_, ok in self._block_row_scan(SCAN_BLOCK))
+                self._count_pairs_and_keys()
         return self._cache[key]
+
+    def used_keys(self) -> Tensor:
+        """Bool (N,): True where some query row may attend to key j."""
+        key = ("used_keys",)
+        if key not in self._cache:
+            self._count_pairs_and_keys()
+        return self._cache[key]
+
+    def _count_pairs_and_keys(self) -> None:
+        """nnz and used_keys in one scan of the candidate blocks: at long contexts each scan is seconds."""
+        n, bs = self.seq_len, SCAN_BLOCK
+        offs = torch.arange(bs)
+        used = torch.zeros(math.ceil(n / bs) * bs, dtype=torch.bool)
+        total = 0
+        for _, _rows, kb, ok in self._block_row_scan(bs):
+            total += int(ok.sum())
+            cols = (kb[:, None] * bs + offs[None, :]).flatten()
+            used[cols] |= ok.any(dim=0).flatten()  # ok is False past N
+        self._cache[("nnz",)] = total
+        self._cache[("used_keys",)] = used[:n]
 
     @property
     def density(self) -> float:

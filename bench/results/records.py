@@ -237,6 +237,9 @@ class Record(BaseModel):
     wall_s: float | None = None  # wall time spent on this (case, impl), all phases
     check_s: float | None = None  # of which the oracle check (computing the oracle where this pair was first)
     memory_s: float | None = None  # of which the memory measurement (on CPU: the case again, in a fresh process)
+    # wall_s split by the harness's phases ("pattern", "inputs", "selection", "prepare", "first call", "check",
+    # "fidelity", "timing", "memory", ...): what the harness itself costs beside the timed calls
+    phases_s: dict[str, float] | None = None
     inputs: InputsInfo | None = None  # where q, k, v came from (null in records written before inputs existed)
     attention_stats: AttentionStats | None = None  # with measure.attention_stats
     selection: SelectionInfo | None = None  # a case with a selector

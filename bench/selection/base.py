@@ -94,20 +94,20 @@ class Selection:
 
     def unit_mask(self, kv_units: int) -> Tensor:
         """bool (B, H_sel, query units, kv_units): True where a unit is selected."""
-        idx = self.indices.to(torch.int64)
-        b, h, u, _ = idx.shape
-        out = torch.zeros(b, h, u, kv_units + 1, dtype=torch.bool, device=idx.device)
-        out.scatter_(-1, torch.where(idx < 0, kv_units, idx), True)  # padding lands in the spare column
-        return out[..., :kv_units]
+        return _selected_units(self.indices, kv_units)
+
+    def kept_units(self, kv_units: int) -> Tensor:
+        """bool (B, H_sel, kv_units): True where some query unit selected the unit."""
+        return _selected_units(self.indices.flatten(2), kv_units)
 
     def mask_rows(self, rows: Tensor, seq_len: int, heads: int, kv_heads: int) -> Tensor:
         """bool (B, H, len(rows), N): the selection alone (no base pattern) on query `rows`."""
         kv_units = math.ceil(seq_len / self.kv_unit)
-        units = self.unit_mask(kv_units)  # (B, H_sel, U, KU)
-        rows = rows.to(units.device)
-        per_row = units[:, :, rows // self.q_unit]  # (B, H_sel, c, KU)
-        per_row = per_row[:, self.head_index(heads, kv_heads).to(units.device)]  # (B, H, c, KU)
-        keys = torch.arange(seq_len, device=units.device) // self.kv_unit
+        rows = rows.to(self.indices.device)
+        # Only the rows' own units: every unit's mask is N x N / kv_unit booleans per head at long contexts.
+        per_row = _selected_units(self.indices[:, :, rows // self.q_unit], kv_units)  # (B, H_sel, c, KU)
+        per_row = per_row[:, self.head_index(heads, kv_heads).to(per_row.device)]  # (B, H, c, KU)
+        keys = torch.arange(seq_len, device=per_row.device) // self.kv_unit
         return per_row[..., keys]
 
     def dense_mask(self, base: Tensor, heads: int, kv_heads: int) -> Tensor:
@@ -119,6 +119,14 @@ class Selection:
     def counts(self) -> Tensor:
         """int64 (B, H_sel, query units): the units kept per query unit (padding not counted)."""
         return (self.indices >= 0).sum(dim=-1)
+
+
+def _selected_units(indices: Tensor, kv_units: int) -> Tensor:
+    """bool (*indices.shape[:-1], kv_units): True at each index (-1 pads)."""
+    idx = indices.to(torch.int64)
+    out = torch.zeros(*idx.shape[:-1], kv_units + 1, dtype=torch.bool, device=idx.device)
+    out.scatter_(-1, torch.where(idx < 0, kv_units, idx), True)  # padding lands in the spare column
+    return out[..., :kv_units]
 
 
 def effective_mask(selection: Selection, pattern: object, rows: Tensor, heads: int, kv_heads: int) -> Tensor:

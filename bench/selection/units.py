@@ -30,20 +30,31 @@ def allowed_units(pattern: object, q_unit: int, kv_unit: int) -> Tensor:
     q_len, n = pattern.q_len, pattern.seq_len  # type: ignore[attr-defined]
     if q_unit == kv_unit and hasattr(pattern, "block_layout"):
         out = pattern.block_layout(q_unit).to(torch.bool)
+    elif q_unit >= q_len and kv_unit == 1 and hasattr(pattern, "used_keys"):
+        out = pattern.used_keys()[None, :]  # one unit of every row: the keys some row may see
     else:
         q_units, kv_units = math.ceil(q_len / q_unit), math.ceil(n / kv_unit)
         out = torch.zeros(q_units, kv_units, dtype=torch.bool)
-        step = max(q_unit, (CHUNK_ELEMENTS // max(n, 1)) // q_unit * q_unit)
+        chunk_rows = max(1, CHUNK_ELEMENTS // max(n, 1))
+        # Chunks of whole query units where a unit fits in one; else a unit (all of a decode's queries, say)
+        # spans chunks and each chunk ORs into it: never more than CHUNK_ELEMENTS booleans at once.
+        whole_units = q_unit <= chunk_rows
+        step = chunk_rows // q_unit * q_unit if whole_units else chunk_rows
         keys = torch.arange(n)
         for start in range(0, q_len, step):
             rows = torch.arange(start, min(start + step, q_len))
             mask = pattern.mask(rows[:, None], keys[None, :])  # type: ignore[attr-defined]
             mask = torch.nn.functional.pad(mask, (0, kv_units * kv_unit - n))
             per_key_unit = mask.view(len(rows), kv_units, kv_unit).any(dim=-1)  # (c, KU)
-            whole = math.ceil(len(rows) / q_unit) * q_unit  # chunks start on a unit's first row
-            per_key_unit = torch.nn.functional.pad(per_key_unit, (0, 0, 0, whole - len(rows)))
-            first = start // q_unit
-            out[first : first + whole // q_unit] = per_key_unit.view(-1, q_unit, kv_units).any(dim=1)
+            if whole_units:
+                whole = math.ceil(len(rows) / q_unit) * q_unit  # chunks start on a unit's first row
+                per_key_unit = torch.nn.functional.pad(per_key_unit, (0, 0, 0, whole - len(rows)))
+                first = start // q_unit
+                out[first : first + whole // q_unit] = per_key_unit.view(-1, q_unit, kv_units).any(dim=1)
+            else:
+                unit = rows // q_unit  # a chunk shorter than a unit touches at most two
+                for u in torch.unique(unit).tolist():
+                    out[u] |= per_key_unit[unit == u].any(dim=0)
     if cache is not None:
         cache[key] = out
     return out

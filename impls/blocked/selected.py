@@ -45,18 +45,33 @@ def base_slots(pattern, bs: int) -> tuple[Tensor, Tensor]:
     return slot, masks.contiguous()
 
 
-def chosen_blocks(selection: Selection, nq: int, nkb: int, tile: int) -> tuple[Tensor, Tensor | None]:
+def chosen_blocks(selection: Selection, nq: int, nkb: int, tile: int, with_bits: bool = True
+                  ) -> tuple[Tensor, Tensor | None]:
     """(blocks (B, H_sel, tiles, KB) bool kept by some row of each query tile of `tile` rows, row_bits (same)
-    int64 or None: bit t set where row t of the tile kept the key block; None for a block query unit)."""
-    units = selection.unit_mask(nkb)  # (B, H_sel, U, KB)
+    int64 or None: bit t set where row t of the tile kept the key block; None for a block query unit or
+    without `with_bits`).
+
+    Built from the indices by one scatter over (B, H_sel, tiles, KB): never a tensor of every row's key blocks,
+    which at 128K keys and per-row units is N x N / bs booleans per head (gigabytes)."""
     if selection.q_unit == tile:
-        return units, None
-    b, h_sel, _, _ = units.shape
+        return selection.unit_mask(nkb), None
+    idx = selection.indices.to(torch.int64)  # (B, H_sel, U, K)
+    b, h_sel, _, k = idx.shape
+    device = idx.device
     tiles = math.ceil(nq / tile)
-    rows = torch.nn.functional.pad(units, (0, 0, 0, tiles * tile - nq)).view(b, h_sel, tiles, tile, nkb)
-    weights = torch.ones(tile, dtype=torch.int64, device=units.device) << torch.arange(tile, device=units.device)
-    bits = (rows.to(torch.int64) * weights[:, None]).sum(dim=3)  # distinct powers of two: the bit pattern
-    return rows.any(dim=3), bits
+    if selection.q_unit != 1:
+        idx = idx[:, :, torch.arange(nq, device=device) // selection.q_unit]  # (B, H_sel, nq, K): each row's
+    idx = torch.where(idx < 0, nkb, idx)  # padding lands in a spare column
+    idx = torch.nn.functional.pad(idx, (0, 0, 0, tiles * tile - nq), value=nkb).view(b, h_sel, tiles, tile * k)
+    if not with_bits:
+        blocks = torch.zeros(b, h_sel, tiles, nkb + 1, dtype=torch.bool, device=device)
+        return blocks.scatter_(-1, idx, True)[..., :nkb], None
+    # Each row's indices are distinct, so a sum of its bit over the rows that kept a block is their OR.
+    bit_of_row = torch.ones(tile, dtype=torch.int64, device=device) << torch.arange(tile, device=device)
+    bits = torch.zeros(b, h_sel, tiles, nkb + 1, dtype=torch.int64, device=device)
+    bits.scatter_add_(-1, idx, bit_of_row.repeat_interleave(k).expand_as(idx))
+    bits = bits[..., :nkb]
+    return bits != 0, bits
 
 
 def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: int, bs: int,
@@ -71,14 +86,21 @@ def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: i
     blocks = blocks[:, task_heads] & (slot >= -1)  # (B, T, tiles, KB): allowed by the base pattern too
     counts = blocks.sum(dim=-1)
     width = max(int(counts.max()) if counts.numel() else 0, 1)
-    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)[..., :width]  # kept blocks first
-    kept = torch.arange(width, device=blocks.device) < counts.unsqueeze(-1)
-    kv_index = torch.where(kept, order, 0).to(torch.int32)
-    mask_slot = torch.gather(slot.expand(*blocks.shape[:2], *slot.shape), -1, order.to(torch.int64)).to(torch.int32)
+    # The kept blocks of each tile, ascending, from the nonzeros (row-major: sorted within a row), padded with
+    # block 0: a sort of every (tile, KB) would hold KB int64s per tile.
+    where = blocks.nonzero()  # (kept, 4)
+    row = (where[:, 0] * tasks_per_batch + where[:, 1]) * blocks.shape[2] + where[:, 2]
+    flat_counts = counts.flatten()
+    starts = torch.cumsum(flat_counts, 0) - flat_counts
+    order = torch.zeros(flat_counts.numel(), width, dtype=torch.int64, device=blocks.device)
+    order[row, torch.arange(row.numel(), device=blocks.device) - starts[row]] = where[:, 3]
+    order = order.view(*blocks.shape[:3], width)
+    kv_index = order.to(torch.int32)
+    mask_slot = torch.gather(slot.expand(*blocks.shape[:2], *slot.shape), -1, order).to(torch.int32)
     flat = lambda t: t.reshape(b * tasks_per_batch, *t.shape[2:]).contiguous()  # noqa: E731
     row_bits = torch.empty(0, dtype=torch.int64)
     if bits is not None:
-        row_bits = flat(torch.gather(bits[:, task_heads], -1, order.to(torch.int64)))
+        row_bits = flat(torch.gather(bits[:, task_heads], -1, order))
     return HeadTables(bs, flat(kv_index), flat(counts.to(torch.int32)), flat(mask_slot), masks, row_bits, tile)
 
 
@@ -98,7 +120,7 @@ def gathered_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: T
     hkv, n = k.shape[1], k.shape[2]
     nqb, nkb = math.ceil(nq / bs), math.ceil(n / bs)
     slot, _ = base_slots(pattern, bs)
-    blocks, _ = chosen_blocks(selection, nq, nkb, bs)  # per query block: the union of its rows' blocks
+    blocks, _ = chosen_blocks(selection, nq, nkb, bs, with_bits=False)  # per query block: its rows' union
     heads_of = selection.head_index(h, hkv).to(blocks.device)
     blocks = blocks[:, heads_of] & (slot >= -1).to(blocks.device)  # (B, H, QB, KB)
     width = max(int(blocks.sum(dim=-1).max()) if blocks.numel() else 0, 1)
