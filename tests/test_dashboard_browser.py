@@ -121,10 +121,10 @@ def draw_all(page: Page) -> int:
 
 
 def undrawn_figures(page: Page) -> list[str]:
-    """Ids of visible figures without an SVG holding at least one trace (scatter/heatmap layers)."""
+    """Ids of visible figures without an SVG holding at least one trace (scatter, bar and heatmap layers)."""
     return page.evaluate("""() => Array.from(document.querySelectorAll('section.facet:not([hidden]) .plot'))
         .filter(div => !(div.querySelector('.main-svg') &&
-                         div.querySelectorAll('g.trace.scatter, g.hm, g.heatmaplayer image').length > 0))
+                         div.querySelectorAll('g.trace.scatter, g.trace.bars, g.hm, g.heatmaplayer image').length > 0))
         .map(div => div.getAttribute('data-figure'))""")
 
 
@@ -132,7 +132,7 @@ EXPECTED_VIEWS = {"suite-sweep.html": {"time", "speedup", "memory", "breakeven",
                   "suite-multi.html": {"time", "comm", "correctness"},
                   "suite-h100.html": {"time", "speedup", "peak", "correctness"},
                   "suite-nightly.html": {"time", "speedup", "correctness", "history"},
-                  "suite-real.html": {"time", "speedup", "correctness"},
+                  "suite-real.html": {"time", "speedup", "correctness", "harness"},
                   "suite-workloads.html": {"time", "speedup", "memory", "correctness"}}
 
 

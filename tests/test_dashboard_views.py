@@ -246,3 +246,38 @@ def test_provenance_names_device_backend_commit_and_kind(runs) -> None:
     assert text == f"measured · device {store.CPU} · backend cpu, comm gloo · commit {commit_id(3)[:7]}"
     model = provenance(rows_from_runs([runs["model"]])).text()
     assert model == f"MODEL (not measured) · device {store.H100} · backend model · commit {commit_id(3)[:7]}"
+
+
+def test_harness_cost_stacks_each_records_phases_longest_first(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bar per record, one trace per phase in the pair's order, the bars' stacks equal to phases_s; records
+    without phases (written before them) are left out; past MAX_BARS only the longest walls stay, with a note."""
+    from bench.dashboard import views_harness
+    from bench.spec.case import Case
+
+    records = []
+    for i, n in enumerate([128, 256, 512]):
+        case = Case(pattern="causal", seq_len=n, selector="moba", budget=0.25, block_size=32)
+        phases = {"pattern": 0.1 * (i + 1), "selection": 0.2, "first call": 0.3, "check": 0.05 * (i + 1),
+                  "fidelity": 0.4, "timing": 2.0 + i, "memory": 0.5}
+        records.append(record(case.case_id, "blocked", store.samples(1e-3), params=case.params(),
+                              wall_s=sum(phases.values()), phases_s=phases))
+    old = Case(pattern="causal", seq_len=1024)
+    records.append(record(old.case_id, "dense", store.samples(1e-3), params=old.params(), wall_s=9.0))
+    rows = rows_from_runs([load_run(write_run(tmp_path, commit=commit_id(1), records=records))])
+    fig = views_harness.harness_figure(rows)
+    assert fig is not None and fig.notes == []
+    go.Figure(fig.plotly)
+    traces = fig.plotly["data"]
+    assert [t["name"] for t in traces] == ["pattern", "selection", "first call", "check", "fidelity", "timing",
+                                           "memory"]
+    assert all(len(t["x"]) == 3 for t in traces)  # the record without phases is not drawn
+    stacks = [sum(t["x"][i] for t in traces) for i in range(3)]
+    walls = sorted((r.wall_s for r in rows if r.phases_s), key=float)
+    assert sorted(stacks) == pytest.approx(walls)
+    assert views_harness.harness_share(next(r for r in rows if r.phases_s)) == pytest.approx(
+        1 - 2.0 / (2.0 + 0.1 + 0.2 + 0.3 + 0.05 + 0.4 + 0.5))
+    monkeypatch.setattr(views_harness, "MAX_BARS", 2)
+    fewer = views_harness.harness_figure(rows)
+    assert fewer is not None and fewer.notes == ["the 2 longest of 3 records; 1 shorter ones left out"]
+    assert max(fewer.plotly["data"][-2]["x"]) == 4.0  # the longest timing (N=512) kept

@@ -118,6 +118,8 @@ class Row:
     error: ErrorInfo | None = None  # the whole check: ratios to the same-dtype reference, gradients
     quality: QualityInfo | None = None  # a model case: the model's quality with this attention
     training: TrainingInfo | None = None  # a model case with train: both loss curves
+    wall_s: float | None = None  # the whole (case, impl), every phase
+    phases_s: dict[str, float] = field(default_factory=dict)  # wall_s by harness phase (records since R4)
 
     @property
     def modelled(self) -> bool:
@@ -220,6 +222,7 @@ def row_from_record(run: Run, record: Record) -> Row:
         peak_bandwidth_source=peak.bandwidth_source if peak else None, peak_bound=peak.bound if peak else None,
         attention_stats=record.attention_stats, selection=record.selection, fidelity=record.fidelity,
         error=record.error, quality=record.quality, training=record.training,
+        wall_s=record.wall_s, phases_s=dict(record.phases_s or {}),
     )
 
 

@@ -14,6 +14,7 @@ from bench.dashboard.views_breakeven import breakeven_figures
 from bench.dashboard.views_comm import comm_figure
 from bench.dashboard.views_comm_balance import balance_figures
 from bench.dashboard.views_correctness import correctness_figure
+from bench.dashboard.views_harness import harness_figure
 from bench.dashboard.views_history import HistorySeries, history_figure
 from bench.dashboard.views_inputs import inputs_figure
 from bench.dashboard.views_links import links_figure
@@ -121,6 +122,7 @@ def section_figures(section: Section, history: Sequence[HistorySeries], commits:
         ("inputs", lambda: _one(inputs_figure(rows))),
         ("selection", lambda: time_recall_figures(rows, colours)),
         ("selection_share", lambda: _one(selection_share_figure(rows, colours))),
+        ("harness", lambda: _one(harness_figure(rows))),
         ("history", lambda: _one(history_figure(history, commits, colours))),
     ]
     for view, build in builders:

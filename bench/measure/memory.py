@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.heap import LIBC
 from bench.results.records import MemoryInfo
 
 # glibc mallopt parameters (malloc.h) and the values used while timing and while measuring memory.
@@ -94,18 +94,7 @@ def cpu_peak_available() -> str | None:
     return None
 
 
-def _glibc() -> Any:
-    """The C library when it is glibc (it has mallopt and malloc_trim), else None."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _glibc()
+_LIBC = LIBC
 
 
 def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:

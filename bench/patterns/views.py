@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from bench.heap import release_free_heap
+
 if TYPE_CHECKING:
     from bench.patterns.documents import DocumentIndex
 
 # Views are built one block row at a time over candidate blocks; this bounds their working memory.
 SCAN_BLOCK = 128
+TRIM_EVERY_ROWS = 64  # block rows between releases of the heap's free pages
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class PatternViews:
         cand = self._candidate_blocks(bs)
         offs = torch.arange(bs)
         for r in range(cand.shape[0]):
+            if r % TRIM_EVERY_ROWS == TRIM_EVERY_ROWS - 1:
+                release_free_heap()  # each row's temporaries outgrow the last's holes (bench.heap)
             rows = torch.arange(r * bs, min(self.q_len, (r + 1) * bs))
             kb = torch.nonzero(cand[r]).flatten()
             cols = (kb[:, None] * bs + offs[None, :]).flatten()  # (kb * bs,)

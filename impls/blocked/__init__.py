@@ -36,6 +36,7 @@ from impls.blocked.fused import FUSED_ROWS, fused_available
 from impls.blocked.kernel import (
     BlockTable,
     block_table,
+    gemm_engine,
     kernel_attention,
     kernel_attention_tables,
     kernel_module,
@@ -104,7 +105,8 @@ class Blocked(Impl):
                     fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
         shown = table if table is not None else fused if fused is not None else plan
-        self._extras = {"path": "band_fused" if shown is fused else shown.path, "block_size": case.block_size,
+        self._extras = {"path": "band_fused" if shown is fused else shown.path, "gemm": gemm_engine(q.dtype),
+                        "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
                         "group_size": group, "computed_pairs_per_head": shown.computed_pairs,
                         "computed_over_allowed": shown.computed_pairs / max(1, pattern.nnz)}
@@ -207,7 +209,7 @@ class Blocked(Impl):
         with setup_phase("mask"):
             slot, masks = base_slots(pattern, bs)
         self._extras = {"path": "kernel_selected" if kernel_missing is None else "gather_selected",
-                        "block_size": bs, "group_size": group}
+                        "gemm": gemm_engine(q.dtype), "block_size": bs, "group_size": group}
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
 

@@ -146,6 +146,23 @@ def unavailable_reason(q: Tensor, block_size: int) -> str | None:
     return None
 
 
+def gemm_engine(dtype: torch.dtype) -> str:
+    """The instructions this machine's GEMMs run for `dtype` (the record's config.gemm, in prefill and over
+    selections, the kernel's and the torch steps' alike: both go through oneDNN): amx_bf16 (AMX tiles),
+    avx512_bf16 (AVX512-BF16 dot products), emulated (16-bit products without either), or fp32 at torch's CPU
+    capability (e.g. fp32_avx512)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"fp32_{torch.backends.cpu.get_cpu_capability().lower()}"
+    features = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
+    if dtype == torch.bfloat16 and features.get("amx_bf16", False):
+        return "amx_bf16"
+    if dtype == torch.float16 and features.get("amx_fp16", False):
+        return "amx_fp16"
+    if dtype == torch.bfloat16 and has_bf16_dot_products():
+        return "avx512_bf16"
+    return "emulated"
+
+
 def has_bf16_dot_products() -> bool:
     """AVX512-BF16 (Zen 4, Cooper Lake and later): oneDNN's batch-reduce GEMM runs bfloat16 on its dot-product
     instruction, on B operands this module packs itself."""
