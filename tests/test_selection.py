@@ -202,3 +202,25 @@ def test_oracle_topk_is_the_best_block_selection():
     best = api.select("oracle_topk", made.q, made.k, case)
     other = api.select("test_blocks", made.q, made.k, Case(**{**case.params(), "selector": "test_blocks"}))
     assert fidelity(best, pattern, made, 0).recall.mean >= fidelity(other, pattern, made, 0).recall.mean
+
+
+@pytest.mark.parametrize("row_tile", [1, 4, 16])
+@pytest.mark.parametrize("selector", ["test_rows", "test_row_heads"])
+def test_blocked_row_tables_at_every_tile_height(selector: str, row_tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """blocked's kernel over per-row selections, a tile of 1, 4 or 16 rows (the union of the rows' blocks with a
+    bit per row, or each row alone), matches the oracle; a block the base pattern does not allow the row (a
+    future block under causal, as a user's selection may hold) is dropped, not attended."""
+    import impls.blocked.selected as selected
+
+    monkeypatch.setattr(selected, "ROW_TILE", row_tile)
+    case = _case("causal-odd", selector)
+    pattern = case.make_pattern()
+    q, k, v = _inputs(case)
+    chosen = api.select(selector, q, k, case)
+    last = -(-case.seq_len // case.block_size) - 1
+    assert last not in chosen.indices[0, 0, 0].tolist()  # row 0 may see block 0 only
+    chosen.indices[0, 0, 0, -1] = last
+    out = api.attention("blocked", q, k, v, pattern, chosen, block_size=case.block_size)
+    expected, _ = reference_attention_lse(q, k, v, pattern, extra_mask=lambda r: effective_mask(
+        chosen, pattern, r, case.heads, case.n_kv_heads))
+    assert float((out.double() - expected).norm() / expected.norm()) < 1e-4

@@ -26,10 +26,11 @@ from impls.blocked.kernel import HeadTables
 from impls.common import accum_dtype, masked_lse_softmax
 
 GATHER_ELEMENTS = 1 << 24  # gathered key elements (per chunk of query blocks) the torch path holds at once
-# Query rows per kernel tile for selections per row: the tile runs over the union of its rows' blocks, so fewer
-# rows waste fewer blocks (MoBA at 4K, budget 1/8: the union of 64 rows' blocks was several times one row's),
-# while G * 16 rows still make a GEMM's M for GQA groups.
-ROW_TILE = 16
+# Query rows per kernel tile for selections per row: a tile runs over the union of its rows' blocks, and rows
+# of one head keep different blocks (MoBA at 16K, budget 1/16: 8.5 blocks a row, 58 in the union of 16 rows'),
+# so one row a tile computes nothing it drops. Measured at 16K (H8/2, D128, bf16; tables and kernel, 2-core EPYC):
+# MoBA 0.81 s with 16 rows, 0.45 with 4, 0.39 with 1; NSA (the KV group's 4 heads a tile) 0.49, 0.26, 0.16.
+ROW_TILE = 1
 
 
 def base_slots(pattern, bs: int) -> tuple[Tensor, Tensor]:
@@ -45,49 +46,36 @@ def base_slots(pattern, bs: int) -> tuple[Tensor, Tensor]:
     return slot, masks.contiguous()
 
 
-def chosen_blocks(selection: Selection, nq: int, nkb: int, tile: int, with_bits: bool = True
-                  ) -> tuple[Tensor, Tensor | None]:
-    """(blocks (B, H_sel, tiles, KB) bool kept by some row of each query tile of `tile` rows, row_bits (same)
-    int64 or None: bit t set where row t of the tile kept the key block; None for a block query unit or
-    without `with_bits`).
+def chosen_blocks(selection: Selection, nq: int, nkb: int, tile: int) -> Tensor:
+    """blocks (B, H_sel, tiles, KB) bool: kept by some row of each query tile of `tile` rows.
 
-    Built from the indices by one scatter over (B, H_sel, tiles, KB): never a tensor of every row's key blocks,
-    which at 128K keys and per-row units is N x N / bs booleans per head (gigabytes)."""
+    Built from the indices by one scatter: never a tensor of every row's key blocks, which at 128K keys and
+    per-row units is N x N / bs booleans per head (gigabytes)."""
     if selection.q_unit == tile:
-        return selection.unit_mask(nkb), None
+        return selection.unit_mask(nkb)
     idx = selection.indices.to(torch.int64)  # (B, H_sel, U, K)
     b, h_sel, _, k = idx.shape
-    device = idx.device
     tiles = math.ceil(nq / tile)
     if selection.q_unit != 1:
-        idx = idx[:, :, torch.arange(nq, device=device) // selection.q_unit]  # (B, H_sel, nq, K): each row's
+        idx = idx[:, :, torch.arange(nq, device=idx.device) // selection.q_unit]  # (B, H_sel, nq, K): each row's
     idx = torch.where(idx < 0, nkb, idx)  # padding lands in a spare column
     idx = torch.nn.functional.pad(idx, (0, 0, 0, tiles * tile - nq), value=nkb).view(b, h_sel, tiles, tile * k)
-    if not with_bits:
-        blocks = torch.zeros(b, h_sel, tiles, nkb + 1, dtype=torch.bool, device=device)
-        return blocks.scatter_(-1, idx, True)[..., :nkb], None
-    # Each row's indices are distinct, so a sum of its bit over the rows that kept a block is their OR.
-    bit_of_row = torch.ones(tile, dtype=torch.int64, device=device) << torch.arange(tile, device=device)
-    bits = torch.zeros(b, h_sel, tiles, nkb + 1, dtype=torch.int64, device=device)
-    bits.scatter_add_(-1, idx, bit_of_row.repeat_interleave(k).expand_as(idx))
-    bits = bits[..., :nkb]
-    return bits != 0, bits
+    blocks = torch.zeros(b, h_sel, tiles, nkb + 1, dtype=torch.bool, device=idx.device)
+    return blocks.scatter_(-1, idx, True)[..., :nkb]
 
 
 def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: int, bs: int,
                 task_heads: Tensor) -> HeadTables:
     """Tables of the tasks whose selection heads are `task_heads` (T,), over batch-major tasks (B*T)."""
+    if selection.q_unit != bs:
+        return row_tables(selection, slot, masks, nq, n, bs, task_heads)
     nkb = math.ceil(n / bs)
-    tile = bs if selection.q_unit == bs else min(bs, ROW_TILE)
-    blocks, bits = chosen_blocks(selection, nq, nkb, tile)
-    b = blocks.shape[0]
-    tasks_per_batch = task_heads.numel()
-    slot = slot.repeat_interleave(bs // tile, dim=0)[: blocks.shape[2]]  # each tile reads its query block's row
-    blocks = blocks[:, task_heads] & (slot >= -1)  # (B, T, tiles, KB): allowed by the base pattern too
+    blocks = selection.unit_mask(nkb)[:, task_heads] & (slot >= -1)  # (B, T, QB, KB): the base allows them too
+    b, tasks_per_batch = blocks.shape[:2]
     counts = blocks.sum(dim=-1)
     width = max(int(counts.max()) if counts.numel() else 0, 1)
-    # The kept blocks of each tile, ascending, from the nonzeros (row-major: sorted within a row), padded with
-    # block 0: a sort of every (tile, KB) would hold KB int64s per tile.
+    # The kept blocks of each query block, ascending, from the nonzeros (row-major: sorted within a row),
+    # padded with block 0.
     where = blocks.nonzero()  # (kept, 4)
     row = (where[:, 0] * tasks_per_batch + where[:, 1]) * blocks.shape[2] + where[:, 2]
     flat_counts = counts.flatten()
@@ -95,13 +83,54 @@ def head_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: i
     order = torch.zeros(flat_counts.numel(), width, dtype=torch.int64, device=blocks.device)
     order[row, torch.arange(row.numel(), device=blocks.device) - starts[row]] = where[:, 3]
     order = order.view(*blocks.shape[:3], width)
-    kv_index = order.to(torch.int32)
-    mask_slot = torch.gather(slot.expand(*blocks.shape[:2], *slot.shape), -1, order).to(torch.int32)
+    mask_slot = torch.gather(slot.expand(b, tasks_per_batch, *slot.shape), -1, order)
     flat = lambda t: t.reshape(b * tasks_per_batch, *t.shape[2:]).contiguous()  # noqa: E731
+    return HeadTables(bs, flat(order.to(torch.int32)), flat(counts.to(torch.int32)), flat(mask_slot.to(torch.int32)),
+                      masks, torch.empty(0, dtype=torch.int64), bs)
+
+
+def row_tables(selection: Selection, slot: Tensor, masks: Tensor, nq: int, n: int, bs: int,
+               task_heads: Tensor) -> HeadTables:
+    """Tables of a selection per row (or per unit of fewer rows than a block), in tiles of ROW_TILE rows: each
+    tile's table row is the union of its rows' kept blocks the base allows, ascending, with a bit per row saying
+    which rows kept each (`row_bits`, where a tile has more than one row).
+
+    Made from the indices alone, sorted within each tile: its memory is the indices' (B, T, nq, K), never a
+    (tiles, key blocks) map, which per row at 128K keys is gigabytes per head."""
+    nkb = math.ceil(n / bs)
+    tile = min(bs, ROW_TILE)
+    idx = selection.indices[:, task_heads].to(torch.int64)  # (B, T, U, K)
+    device = idx.device
+    rows = torch.arange(nq, device=device)
+    if selection.q_unit != 1:
+        idx = idx[:, :, rows // selection.q_unit]  # (B, T, nq, K): each row's own
+    b, tasks_per_batch, _, k = idx.shape
+    idx = torch.where(idx < 0, nkb, idx)  # padding: the spare key block nkb, sorted last
+    spare = torch.full((slot.shape[0], 1), -2, dtype=slot.dtype, device=slot.device)
+    row_slots = torch.cat([slot, spare], dim=1)[(rows // bs)[:, None], idx]  # (B, T, nq, K)
+    idx = torch.where(row_slots >= -1, idx, nkb)  # blocks the base pattern does not allow the row: dropped
+    tiles = math.ceil(nq / tile)
+    idx = torch.nn.functional.pad(idx, (0, 0, 0, tiles * tile - nq), value=nkb).view(b, tasks_per_batch, tiles,
+                                                                                     tile * k)
+    block, entry = idx.sort(dim=-1)
+    valid = block < nkb
+    first = valid.clone()  # the first entry of each distinct block of the tile
+    first[..., 1:] &= block[..., 1:] != block[..., :-1]
+    counts = first.sum(dim=-1)  # (B, T, tiles)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    column = torch.where(valid, torch.cumsum(first, dim=-1) - 1, width)  # each entry's place; width: dropped
+    kv_index = torch.zeros(b, tasks_per_batch, tiles, width + 1, dtype=torch.int64, device=device)
+    kv_index = kv_index.scatter_(-1, column, torch.where(valid, block, 0))[..., :width]  # a block's entries agree
     row_bits = torch.empty(0, dtype=torch.int64)
-    if bits is not None:
-        row_bits = flat(torch.gather(bits[:, task_heads], -1, order))
-    return HeadTables(bs, flat(kv_index), flat(counts.to(torch.int32)), flat(mask_slot), masks, row_bits, tile)
+    if tile > 1:  # a block's rows hold distinct bits, so their sum is their OR
+        bit = torch.where(valid, torch.ones_like(entry) << (entry // k), 0)
+        row_bits = torch.zeros(b, tasks_per_batch, tiles, width + 1, dtype=torch.int64, device=device)
+        row_bits = row_bits.scatter_add_(-1, column, bit)[..., :width]
+    tile_block = torch.arange(tiles, device=device) * tile // bs  # the query block each tile's rows lie in
+    mask_slot = slot[tile_block[:, None], kv_index]  # (B, T, tiles, width)
+    flat = lambda t: t.reshape(b * tasks_per_batch, *t.shape[2:]).contiguous()  # noqa: E731
+    return HeadTables(bs, flat(kv_index.to(torch.int32)), flat(counts.to(torch.int32)),
+                      flat(mask_slot.to(torch.int32)), masks, flat(row_bits) if tile > 1 else row_bits, tile)
 
 
 def tasks_of(selection: Selection, heads: int, kv_heads: int) -> tuple[Tensor, bool]:
@@ -120,7 +149,7 @@ def gathered_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: T
     hkv, n = k.shape[1], k.shape[2]
     nqb, nkb = math.ceil(nq / bs), math.ceil(n / bs)
     slot, _ = base_slots(pattern, bs)
-    blocks, _ = chosen_blocks(selection, nq, nkb, bs, with_bits=False)  # per query block: its rows' union
+    blocks = chosen_blocks(selection, nq, nkb, bs)  # per query block: the union of its rows' blocks
     heads_of = selection.head_index(h, hkv).to(blocks.device)
     blocks = blocks[:, heads_of] & (slot >= -1).to(blocks.device)  # (B, H, QB, KB)
     width = max(int(blocks.sum(dim=-1).max()) if blocks.numel() else 0, 1)
