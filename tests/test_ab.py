@@ -121,6 +121,9 @@ def test_ab_of_two_revisions_writes_both_runs_and_leaves_no_worktree(repo, tmp_p
         records = read_jsonl(run / "records.jsonl")
         assert [(r["impl"], r["status"]) for r in records] == [("dense", "ok"), ("sdpa", "ok")]
         assert records[0]["time_s"]["stopped_by"] == "blocks"
+        for r in records:  # the wall split by phase: the blocks apart from the other side's turns (waiting)
+            assert {"first call", "check", "warm-up", "timing", "waiting", "memory"} <= set(r["phases_s"])
+            assert sum(r["phases_s"].values()) == pytest.approx(r["wall_s"], rel=1e-3, abs=1e-3)
     cmp = bench(repo, clean, "compare", str(runs[0]), str(runs[1]))
     assert cmp.returncode == 0 and "bench ab" in cmp.stdout  # one run per side: advisory, pointing to bench ab
     assert md.read_text().startswith("### bench ab `tiny`")

@@ -16,8 +16,8 @@ from bench.dashboard.views_correctness import case_labels, impl_name
 
 # Phases in the order a pair goes through them (bench.measure.pair); any other a later harness adds goes after.
 PHASE_ORDER = ("start", "pattern", "inputs", "attention statistics", "selection", "paging", "prepare", "first call",
-               "check", "fidelity", "timing", "between blocks", "memory", "quality", "training")
-TIMED = "timing"  # the phase of the timed calls: the rest is the harness's own cost
+               "check", "fidelity", "warm-up", "timing", "waiting", "memory", "quality", "training")
+TIMED = "timing"  # the phase of the timed calls: the rest is the harness's own cost (or, `waiting`, idle)
 MAX_BARS = 40  # records drawn per figure (the longest walls): a bar chart of hundreds says nothing
 
 

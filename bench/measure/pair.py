@@ -287,8 +287,14 @@ class PairSession:
 
     def warm_up(self, calls: int) -> None:
         assert self.timer is not None
+        self._enter("warm-up")
         for _ in range(calls):
             self.timer.time_call(self.step)
+        self.waiting()
+
+    def waiting(self) -> None:
+        """From now until the next phase the pair waits: the other side's turn in `bench ab`, or the runner."""
+        self._enter("waiting")
 
     def block(self, calls: int, min_s: float = 0.0) -> list[float]:
         """`calls` timed calls (more until `min_s` has passed), for interleaved A/B rounds; kept for the record."""
@@ -301,7 +307,7 @@ class PairSession:
             samples.append(self.timer.time_call(self.step))
         self.contention.stop()
         self.samples += samples
-        self._enter("between blocks")  # the other side's block, or the runner's bookkeeping
+        self.waiting()
         return samples
 
     def close_blocks(self) -> Record:

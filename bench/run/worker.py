@@ -226,6 +226,8 @@ def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None,
                     final = session.failed(exc)
             if final is not None:
                 session = None
+            else:
+                session.waiting()
             side.send(messages.Opened(record=None if final is None else final.model_dump(mode="json")))
         elif isinstance(message, messages.Block):
             assert session is not None, "a block without an open pair"
