@@ -1,5 +1,6 @@
-"""blocked over token selections (impls/blocked/tokens.py: DSA's per-row top tokens): the union of a tile's rows'
-tokens gathered once, each row masked to its own. Against the float64 oracle under the selection, forward and
+"""blocked over token selections (impls/blocked/tokens.py: DSA's per-row top tokens): in inference each row read
+as a decode step over its own tokens (the decode kernel given their rows); else the union of a tile's rows' tokens
+gathered once, each row masked to its own. Against the float64 oracle under the selection, forward and
 backward, float32 and bfloat16 (within twice the same-dtype reference), GQA and fewer query rows than keys,
 selections per query head and shared, rows that keep nothing."""
 
@@ -30,7 +31,8 @@ def test_dsa_through_the_token_path_matches_the_oracle(shape, dtype, mode):
                 device="cpu", **SHAPES[shape])
     record = measure_task(Task.of(case, "blocked", QUICK), CaseCache())
     assert record.status == "ok", record.reason
-    assert record.config is not None and record.config["path"] == "token_union"
+    # inference reads each row as a decode step over its tokens; training goes through the torch ops
+    assert record.config is not None and record.config["path"] == ("token_rows" if mode == "fwd" else "token_union")
     error = record.error
     assert error is not None and error.ratio is not None and error.ratio <= 2.0, error
     if mode == "fwd_bwd":
@@ -88,3 +90,34 @@ def test_both_token_paths_match_the_oracle_forward_and_backward(monkeypatch, uni
     for ours, exact in ((q_, q64), (k_, k64), (v_, v64)):
         err = (ours.grad.double() - exact.grad).norm() / exact.grad.norm()
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+@pytest.mark.parametrize("shared", ["all", "kv_group"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_as_decode_steps_match_the_oracle(shared, dtype):
+    """token_rows_attention: ragged rows (-1 in the middle and at the end), a row that keeps nothing, future
+    tokens the causal base does not allow (dropped), one selection for every KV head or one per KV group."""
+    from impls.blocked.tokens import rows_as_sequences_unavailable, token_rows_attention
+
+    gen = torch.Generator().manual_seed(2)
+    b, h, hkv, n, d = 2, 4, 2, 90, 32
+    pattern = make_pattern("causal", n)
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    lists = 1 if shared == "all" else hkv
+    idx = torch.argsort(torch.rand(b, lists, n, n, generator=gen), dim=-1)[..., :12]  # future tokens among them
+    idx[..., 4] = -1
+    idx[:, :, 9, :] = -1  # a row that keeps nothing
+    selection = Selection(idx.to(torch.int32), 1, 1, shared)
+    expected = reference_attention(q, k, v, pattern, extra_mask=lambda r: effective_mask(selection, pattern, r, h,
+                                                                                         hkv))
+    q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
+    assert rows_as_sequences_unavailable(selection, q_, k_, "fwd") is None
+    out, lse = token_rows_attention(selection, pattern, q_, k_, v_, d ** -0.5)
+    reference = reference_attention(q_.double(), k_.double(), v_.double(), pattern, extra_mask=lambda r:
+                                    effective_mask(selection, pattern, r, h, hkv))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((out.double() - reference).abs().max()) < tolerance
+    assert float((out.double() - expected).norm() / expected.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert out[:, :, 9].abs().max() == 0 and bool(torch.isinf(lse[:, :, 9]).all())  # nothing kept: zero, -inf
+    assert rows_as_sequences_unavailable(selection, q_, k_, "fwd_bwd") is not None

@@ -175,7 +175,7 @@ def test_a_selection_suite_records_three_times_fidelity_and_failures(tmp_path):
     assert by[("oracle_topk", "dense")].fidelity.recall.mean == pytest.approx(
         by[("oracle_topk", "dense")].fidelity.oracle_recall.mean)
     assert by[("test_rows", "blocked")].config["path"] == "kernel_selected"
-    assert by[("test_tokens", "blocked")].config["path"] == "token_union"  # token selections: impls/blocked/tokens.py
+    assert by[("test_tokens", "blocked")].config["path"] == "token_rows"  # tokens in inference: impls/blocked/tokens.py
 
 
 @pytest.mark.parametrize("change, words", [

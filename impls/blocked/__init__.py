@@ -46,7 +46,7 @@ from impls.blocked.kernel import (
 )
 from impls.blocked.plan import BandPlan, GatherPlan, make_plan
 from impls.blocked.selected import base_slots, gathered_attention, head_tables, tasks_of
-from impls.blocked.tokens import token_attention
+from impls.blocked.tokens import rows_as_sequences_unavailable, token_attention, token_rows_attention
 from impls.common import softmax_scale
 
 
@@ -214,7 +214,11 @@ class Blocked(Impl):
             self._extras["kernel_unavailable"] = kernel_missing
 
         def attend(selection):
-            if selection.kv_unit == 1:  # tokens: a tile over its rows' union or each row's own (blocked/tokens.py)
+            if selection.kv_unit == 1:  # tokens (blocked/tokens.py): each row read as a decode step over its
+                # tokens (inference, a selection a KV group shares), else torch ops over a tile's rows' union
+                if rows_as_sequences_unavailable(selection, q, k, case.mode) is None:
+                    self._extras["path"] = "token_rows"
+                    return token_rows_attention(selection, pattern, q, k, v, scale)
                 self._extras["path"] = "token_union"
                 return token_attention(selection, pattern, q, k, v, scale)
             if kernel_missing is not None:

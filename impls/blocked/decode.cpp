@@ -52,7 +52,13 @@ struct Partial {
 struct Group {
   int64_t off, first, valid;
   bool full;
+  const int32_t* rows = nullptr;  // a gathered group: key t is row rows[t] after off, not row t
 };
+
+// Where key t of a group starts in K or V (elements).
+inline int64_t key_row(const Group& g, int64_t t, int64_t d) {
+  return g.off + (g.rows != nullptr ? static_cast<int64_t>(g.rows[t]) : t) * d;
+}
 
 inline void prefetch_rows(const void* p, int64_t rows, int64_t row_bytes, int hint) {
   const char* c = static_cast<const char*>(p);
@@ -103,7 +109,7 @@ struct PortableEngine {
         Vec acc(0.f);
         for (int64_t x = 0; x < d; x += 2 * W) {
           Vec lo, hi;
-          load2(k + g.off + t * d + x, lo, hi);
+          load2(k + key_row(g, t, d) + x, lo, hi);
           acc = at::vec::fmadd(Vec::loadu(q + r * d + x), lo, at::vec::fmadd(Vec::loadu(q + r * d + x + W), hi, acc));
         }
         s[r * lds + t] = hsum(acc) * scale;
@@ -120,7 +126,7 @@ struct PortableEngine {
         for (int64_t gi = 0; gi < ng; ++gi)
           for (int64_t t = 0; t < g[gi].valid; ++t) {
             Vec lo, hi;
-            load2(v + g[gi].off + t * d + x, lo, hi);
+            load2(v + key_row(g[gi], t, d) + x, lo, hi);
             const Vec pr(p[r * ldp + gi * GK + t]);
             a0 = at::vec::fmadd(pr, lo, a0);
             a1 = at::vec::fmadd(pr, hi, a1);
@@ -178,14 +184,13 @@ struct FmaEngine {
   using P = float;
   static void qk(const float* q, int64_t rows, const T* k, const Group& g, int64_t d, float scale,
                  const MaskRows& mr, float* s, int64_t lds) {
-    const T* kg = k + g.off;
     const int64_t last = g.valid - 1;  // rows past the group's last are never read: its last row stands in
     for (int64_t r = 0; r < rows; ++r) {
       __m512 acc[GK];
       const float* qr = q + r * d;
 #pragma GCC unroll 16
       for (int t = 0; t < GK; ++t) {
-        const T* row = kg + std::min<int64_t>(t, last) * d;
+        const T* row = k + key_row(g, std::min<int64_t>(t, last), d);
         __m512 a = _mm512_mul_ps(load16(row), _mm512_loadu_ps(qr));
         for (int64_t x = 16; x < d; x += 16) a = _mm512_fmadd_ps(load16(row + x), _mm512_loadu_ps(qr + x), a);
         acc[t] = a;
@@ -204,7 +209,7 @@ struct FmaEngine {
       for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * d + x0 + 16 * i);
     for (int64_t gi = 0; gi < ng; ++gi)
       for (int64_t t = 0; t < g[gi].valid; ++t) {
-        const T* row = v + g[gi].off + t * d + x0;
+        const T* row = v + key_row(g[gi], t, d) + x0;
         __m512 vv[NV];
         for (int i = 0; i < NV; ++i) vv[i] = load16(row + 16 * i);
 #pragma GCC unroll 8
@@ -240,14 +245,14 @@ struct DotEngine {
   using P = uint16_t;  // bfloat16 bits
   BF16_TARGET static void qk(const uint16_t* q, int64_t rows, const T* k, const Group& g, int64_t d, float scale,
                              const MaskRows& mr, float* s, int64_t lds) {
-    const uint16_t* kg = reinterpret_cast<const uint16_t*>(k + g.off);
+    const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
     const int64_t last = g.valid - 1;
     for (int64_t r = 0; r < rows; ++r) {
       __m512 acc[GK];
       const uint16_t* qr = q + r * d;
 #pragma GCC unroll 16
       for (int t = 0; t < GK; ++t) {
-        const uint16_t* row = kg + std::min<int64_t>(t, last) * d;
+        const uint16_t* row = kb + key_row(g, std::min<int64_t>(t, last), d);
         __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(row),
                                     (__m512bh)_mm512_loadu_si512(qr));
         for (int64_t x = 32; x < d; x += 32)
@@ -271,13 +276,15 @@ struct DotEngine {
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * d + x0 + 16 * i);
     for (int64_t gi = 0; gi < ng; ++gi) {
-      const uint16_t* vg = reinterpret_cast<const uint16_t*>(v + g[gi].off) + x0;
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + x0;
       for (int64_t t = 0; t < g[gi].valid; t += 2) {
         const bool second = t + 1 < g[gi].valid;
+        const uint16_t* va = vb + key_row(g[gi], t, d);
+        const uint16_t* vn = second ? vb + key_row(g[gi], t + 1, d) : va;
         __m512i vv[NV];
         for (int i = 0; i < NV; i += 2) {
-          const __m512i a = _mm512_loadu_si512(vg + t * d + 16 * i);
-          const __m512i b = second ? _mm512_loadu_si512(vg + (t + 1) * d + 16 * i) : _mm512_setzero_si512();
+          const __m512i a = _mm512_loadu_si512(va + 16 * i);
+          const __m512i b = second ? _mm512_loadu_si512(vn + 16 * i) : _mm512_setzero_si512();
           vv[i] = _mm512_unpacklo_epi16(a, b);
           vv[i + 1] = _mm512_unpackhi_epi16(a, b);
         }
@@ -343,6 +350,14 @@ inline std::vector<Group> groups_of(const ListView& lv, int64_t c_begin, int64_t
   return out;
 }
 
+// Groups of GK gathered keys [c_begin, c_end) of a list of key rows after `base` (every key allowed).
+inline std::vector<Group> gathered_groups(int64_t base, const int32_t* rows, int64_t c_begin, int64_t c_end) {
+  std::vector<Group> out;
+  out.reserve((c_end - c_begin + GK - 1) / GK);
+  for (int64_t c = c_begin; c < c_end; c += GK) out.push_back({base, c, std::min(GK, c_end - c), true, rows + c});
+  return out;
+}
+
 // One row's online-softmax step over `cols` scores s (-inf where not allowed): P into p, the running max, sum and
 // output rescaled where the max grows. Returns whether the row had an allowed key here.
 template <typename E>
@@ -403,8 +418,16 @@ template <typename T, typename Q>
 void prefetch_step(const Lane<Q>& lane, int64_t g0, const T* k, const T* v, int64_t row_bytes) {
   const int64_t ng = static_cast<int64_t>(lane.groups.size());
   for (int64_t i = g0; i < std::min(ng, g0 + STEP_GROUPS); ++i) {
-    prefetch_rows(k + lane.groups[i].off, lane.groups[i].valid, row_bytes, 1);
-    prefetch_rows(v + lane.groups[i].off, lane.groups[i].valid, row_bytes, 1);
+    const Group& g = lane.groups[i];
+    if (g.rows != nullptr) {  // gathered: each key row where it lies
+      for (int64_t t = 0; t < g.valid; ++t) {
+        prefetch_rows(k + key_row(g, t, row_bytes / static_cast<int64_t>(sizeof(T))), 1, row_bytes, 1);
+        prefetch_rows(v + key_row(g, t, row_bytes / static_cast<int64_t>(sizeof(T))), 1, row_bytes, 1);
+      }
+      continue;
+    }
+    prefetch_rows(k + g.off, g.valid, row_bytes, 1);
+    prefetch_rows(v + g.off, g.valid, row_bytes, 1);
   }
 }
 
@@ -472,7 +495,8 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
                                             const torch::Tensor& page_table, const torch::Tensor& blocks,
                                             const torch::Tensor& counts, const torch::Tensor& full,
                                             const torch::Tensor& mask, const torch::Tensor& lens, int64_t bs,
-                                            double scale, int64_t splits, bool bf16_dot) {
+                                            double scale, int64_t splits, bool bf16_dot,
+                                            const torch::Tensor& key_rows, const torch::Tensor& key_base) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
               "q (B, Hkv, R, D); k, v contiguous, one shape");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -480,6 +504,16 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
   TORCH_CHECK(rows <= MAX_ROWS, "at most ", MAX_ROWS, " rows per KV head");
   TORCH_CHECK(d % 32 == 0, "head_dim a multiple of 32");
   const bool paged = page_table.defined() && page_table.numel() > 0;
+  // Gathered lists: (sequence, KV head) bh reads counts[bh] keys, rows key_rows[list][t] of k and v after element
+  // key_base[bh], every key allowed (blocks, full and mask unused): a selection of tokens read where they lie.
+  // A list per (sequence, KV head), or one per sequence that its KV heads share.
+  const bool gathered = key_rows.defined() && key_rows.numel() > 0;
+  TORCH_CHECK(!gathered || (!paged && key_rows.scalar_type() == at::kInt && key_rows.dim() == 2 &&
+                            (key_rows.size(0) == q.size(0) * q.size(1) || key_rows.size(0) == q.size(0)) &&
+                            key_rows.is_contiguous() && key_base.scalar_type() == at::kLong &&
+                            key_base.numel() == q.size(0) * q.size(1)),
+              "key_rows int32 (B * Hkv or B, max_keys), contiguous, key_base int64 (B * Hkv,), a contiguous cache");
+  const int64_t lists_per_seq = gathered && key_rows.size(0) == q.size(0) ? 1 : q.size(1);
   TORCH_CHECK(k.dim() == 4 && k.size(1) == hkv && k.size(3) == d, "k (B or P, Hkv, N or page, D)");
   TORCH_CHECK(!paged || k.size(2) == bs, "a page of bs rows");
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == b * hkv && counts.numel() == b * hkv &&
@@ -517,7 +551,11 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
                             bs, lens.data_ptr<int32_t>()[bi], paged ? pt + bi * max_pages : nullptr,
                             paged ? hkv * bs * d : 0, paged ? h * bs * d : (bi * hkv + h) * n_ctx * d, d};
           const int64_t t_index = mt == 1 ? 0 : (mt == b ? bi : bh);
-          lanes.push_back({qp + bh * rows * d, groups_of(lv, c0, c1),
+          const int64_t list = lists_per_seq == 1 ? bi : bh;
+          lanes.push_back({qp + bh * rows * d,
+                           gathered ? gathered_groups(key_base.data_ptr<int64_t>()[bh],
+                                                      key_rows.data_ptr<int32_t>() + list * key_rows.size(1), c0, c1)
+                                    : groups_of(lv, c0, c1),
                            MaskRows{mask.data_ptr<bool>() + t_index * mrows * mn, mrows, mn}, &part});
         }
         attend_lanes<T, E>(lanes, rows, kp, vp, d, static_cast<float>(scale));
