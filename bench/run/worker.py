@@ -31,6 +31,8 @@ from bench.run.forkserver import ForkServer
 
 if TYPE_CHECKING:
     from bench.measure.fresh_memory import FreshMemory
+    from bench.measure.pair import PairSession
+    from bench.results.records import Record
 
 WORKER_MODULE = "bench.run.worker"
 
@@ -197,6 +199,20 @@ def _parse(obj: dict[str, Any] | None) -> Any:
 # --- the worker side ---------------------------------------------------------------------------------------
 
 
+def _open_pair(session: PairSession, warmup: int) -> tuple[PairSession | None, Record | None]:
+    """Open one side of an A/B pair and warm it up: the open session, or None and the record that ends it."""
+    final = session.open()
+    if final is None:
+        try:
+            session.warm_up(warmup)
+        except Exception as exc:
+            final = session.failed(exc)
+    if final is not None:
+        return None, final
+    session.waiting()
+    return session, None
+
+
 def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None,
           fresh: FreshMemory | None = None) -> int:
     """Answer the runner's messages until Exit or the end of the task pipe; `fresh` measures CPU memory."""
@@ -217,17 +233,7 @@ def serve(side: ChildSide, plugins: list[tuple[str, str | None]] | None = None,
             record = measure_task(message.task, cache, phase, fresh)
             side.send(messages.RecordDone(record=record.model_dump(mode="json")))
         elif isinstance(message, messages.Open):
-            session = PairSession(message.task, cache, phase, fresh=fresh)
-            final = session.open()
-            if final is None:
-                try:
-                    session.warm_up(message.warmup)
-                except Exception as exc:
-                    final = session.failed(exc)
-            if final is not None:
-                session = None
-            else:
-                session.waiting()
+            session, final = _open_pair(PairSession(message.task, cache, phase, fresh=fresh), message.warmup)
             side.send(messages.Opened(record=None if final is None else final.model_dump(mode="json")))
         elif isinstance(message, messages.Block):
             assert session is not None, "a block without an open pair"
