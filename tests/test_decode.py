@@ -48,11 +48,13 @@ def test_documents_and_an_empty_row_in_decode():
     assert torch.allclose(out.double(), reference_attention(q, k, v, p), atol=1e-5)
 
 
+# heads 6 on 2 KV heads, 2 queries: 6 rows per KV head, one quad of rows and two scored one by one (decode.cpp)
+@pytest.mark.parametrize("heads", [8, 6])
 @pytest.mark.parametrize("lengths", [None, [1000, 700, 33]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_paged_cache_read_through_its_page_table(lengths, dtype):
-    q, k, v = _qkv(dtype, b=3, nq=2)
-    case = Case(batch=3, heads=8, kv_heads=2, head_dim=64, seq_len=1000, q_len=2, pattern="causal", device="cpu",
+def test_a_paged_cache_read_through_its_page_table(lengths, dtype, heads):
+    q, k, v = _qkv(dtype, b=3, h=heads, nq=2)
+    case = Case(batch=3, heads=heads, kv_heads=2, head_dim=64, seq_len=1000, q_len=2, pattern="causal", device="cpu",
                 dtype="float32" if dtype == torch.float32 else "bfloat16", page_size=16,
                 kv_lens=tuple(lengths) if lengths else None)
     sizes = kv_lengths(case.kv_lens, 3, 1000, 2, 0)
