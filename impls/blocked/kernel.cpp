@@ -113,29 +113,61 @@ inline void convert_row(const float* src, T* dst, int64_t n) {
 // packing of 16-bit B matrices takes at most 64 columns (D = 128 failed to pack whole).
 constexpr int64_t NB = 64;
 
-// in (K x N, leading dim ld_in) -> out, chunk by chunk (VNNI pairs in 16-bit dtypes); out holds K * N.
-// The 16-bit pairs come from oneDNN's packer where it has one (AMX); elsewhere (AVX512-BF16 without AMX,
-// whose batch-reduce GEMM still reads VNNI pairs) they are written here: row pair x/2, column c holds
-// (B[x][c], B[x+1][c]) side by side (own_pairs: here even where oneDNN could, for the test that the two
-// layouts agree). K is even (a multiple of 16).
+// in (K x N, leading dim ld_in) -> out through oneDNN's packer (AMX machines), chunk by chunk; out holds K * N.
 template <typename T>
-void pack_b(const T* in, int64_t K, int64_t N, int64_t ld_in, T* out, std::vector<T>& plain, bool own_pairs) {
+void library_pack_b(const T* in, int64_t K, int64_t N, int64_t ld_in, T* out, std::vector<T>& plain) {
   const auto dt = c10::CppTypeToScalarType<T>::value;
-  static const bool library_packs = kVnni<T> && at::native::cpublas::could_pack(dt);
   for (int64_t n0 = 0; n0 < N; n0 += NB) {
     const int64_t nb = std::min(NB, N - n0);
-    T* dst = out + K * n0;
-    if (kVnni<T> && (own_pairs || !library_packs)) {
-      for (int64_t x = 0; x < K; x += 2)
-        for (int64_t c = 0; c < nb; ++c) {
-          dst[x * nb + 2 * c] = in[x * ld_in + n0 + c];
-          dst[x * nb + 2 * c + 1] = in[(x + 1) * ld_in + n0 + c];
+    for (int64_t x = 0; x < K; ++x) std::memcpy(plain.data() + x * nb, in + x * ld_in + n0, nb * sizeof(T));
+    at::native::cpublas::pack(K, nb, nb, nb, dt, dt, plain.data(), out + K * n0);
+  }
+}
+
+// The B operand K_j^T (D x bs) of a key block from its rows (valid of bs, the rest zero), chunk by chunk, written
+// here. A 32-bit word of a key row is one float32, or in 16-bit dtypes the pair (K[t][2w], K[t][2w + 1]) that VNNI
+// stores side by side: either way K_j^T is the transpose of the rows' words, one pass and no staging.
+template <typename T>
+void pack_keys(const T* rows, int64_t d, int64_t bs, int64_t valid, T* out) {
+  const int64_t words = d * static_cast<int64_t>(sizeof(T)) / 4;
+  const auto* in = reinterpret_cast<const uint32_t*>(rows);
+  for (int64_t n0 = 0; n0 < bs; n0 += NB) {
+    const int64_t nb = std::min(NB, bs - n0);
+    auto* dst = reinterpret_cast<uint32_t*>(out + d * n0);
+    for (int64_t w = 0; w < words; ++w)
+      for (int64_t t = 0; t < nb; ++t) dst[w * nb + t] = n0 + t < valid ? in[(n0 + t) * words + w] : 0u;
+  }
+}
+
+// The B operand V_j (bs x D) of a value block from its rows (valid of bs, the rest zero), chunk by chunk, written
+// here: float32 rows as they are; 16-bit rows in VNNI pairs, row pair x/2 and column c holding (V[x][c],
+// V[x + 1][c]) side by side in one 32-bit word.
+template <typename T>
+void pack_values(const T* rows, int64_t d, int64_t bs, int64_t valid, T* out) {
+  for (int64_t n0 = 0; n0 < d; n0 += NB) {
+    const int64_t nb = std::min(NB, d - n0);
+    T* dst = out + bs * n0;
+    if constexpr (!kVnni<T>) {
+      for (int64_t x = 0; x < bs; ++x) {
+        if (x < valid) std::memcpy(dst + x * nb, rows + x * d + n0, nb * sizeof(T));
+        else std::fill(dst + x * nb, dst + (x + 1) * nb, T(0));
+      }
+    } else {
+      auto* pairs = reinterpret_cast<uint32_t*>(dst);
+      const auto* in = reinterpret_cast<const uint16_t*>(rows);
+      for (int64_t x = 0; x < bs; x += 2) {
+        const uint16_t* even = in + x * d + n0;
+        const uint16_t* odd = in + (x + 1) * d + n0;
+        uint32_t* row = pairs + (x / 2) * nb;
+        if (x + 1 < valid) {
+          for (int64_t c = 0; c < nb; ++c) row[c] = uint32_t(even[c]) | (uint32_t(odd[c]) << 16);
+        } else if (x < valid) {
+          for (int64_t c = 0; c < nb; ++c) row[c] = uint32_t(even[c]);
+        } else {
+          std::fill(row, row + nb, 0u);
         }
-      continue;
+      }
     }
-    T* staged = kVnni<T> ? plain.data() : dst;
-    for (int64_t x = 0; x < K; ++x) std::memcpy(staged + x * nb, in + x * ld_in + n0, nb * sizeof(T));
-    if constexpr (kVnni<T>) at::native::cpublas::pack(K, nb, nb, nb, dt, dt, staged, dst);
   }
 }
 
@@ -150,24 +182,32 @@ inline void gemm_b(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldc, bo
 }
 
 // K and V of every (head, key block) as the B operands of the two products, zero padded past N:
-// K_j^T (D x bs) and V_j (bs x D).
+// K_j^T (D x bs) and V_j (bs x D). own_pairs: written here even where oneDNN's packer exists (AMX), for the test
+// that the two layouts agree; where the packer exists it is used otherwise.
 template <typename T>
 void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, int64_t bs, T* kp, T* vp,
                  bool own_pairs) {
   const int64_t nkb = (n + bs - 1) / bs;
+  static const bool library_packs = kVnni<T> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+  const bool library = library_packs && !own_pairs;
   at::parallel_for(0, heads * nkb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> kt(d * bs), vb(bs * d), plain(std::max(d, bs) * NB);
+    std::vector<T> kt(library ? d * bs : 0), vb(library ? bs * d : 0), plain(library ? std::max(d, bs) * NB : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / nkb, j = task % nkb;
       const int64_t valid = std::min(bs, n - j * bs);
       const T* kj = k + (h * n + j * bs) * d;
       const T* vj = v + (h * n + j * bs) * d;
+      if (!library) {
+        pack_keys(kj, d, bs, valid, kp + task * d * bs);
+        pack_values(vj, d, bs, valid, vp + task * bs * d);
+        continue;
+      }
       for (int64_t x = 0; x < d; ++x)
         for (int64_t t = 0; t < bs; ++t) kt[x * bs + t] = t < valid ? kj[t * d + x] : T(0);
       std::memcpy(vb.data(), vj, valid * d * sizeof(T));
       std::fill(vb.begin() + valid * d, vb.end(), T(0));
-      pack_b(kt.data(), d, bs, bs, kp + task * d * bs, plain, own_pairs);
-      pack_b(vb.data(), bs, d, d, vp + task * bs * d, plain, own_pairs);
+      library_pack_b(kt.data(), d, bs, bs, kp + task * d * bs, plain);
+      library_pack_b(vb.data(), bs, d, d, vp + task * bs * d, plain);
     }
   });
 }
@@ -227,8 +267,7 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
             }
             if (slot >= 0) {
               const bool* allowed = masks + (slot * bs + mask_row + t) * bs;
-              for (int64_t x = 0; x < bs; ++x)
-                if (!allowed[x]) block[x] = NEG_INF;
+              for (int64_t x = 0; x < bs; ++x) block[x] = allowed[x] ? block[x] : NEG_INF;  // vectorizes
             }
             for (int64_t x = valid; x < bs; ++x) block[x] = NEG_INF;
           }
