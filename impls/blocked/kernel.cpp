@@ -5,8 +5,8 @@
 // oneDNN ukernels, AMX tiles or AVX512-BF16 dot products in bfloat16), scale and masks, an online softmax in
 // float32 (row max, exponentials and sums, the running output rescaled only when the max grows), then
 // O += P V_j. Keys and values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI
-// pairs in 16-bit dtypes), one pass over K and V; no key block is copied per query block, no score leaves the
-// thread's buffers. Rows without an allowed key come out zero. A score modification (softcap's tanh, or an
+// pairs in 16-bit dtypes; float32 values are read in place), one pass; no key block is copied per query block, no
+// score leaves the thread's buffers. Rows without an allowed key come out zero. A score modification (softcap's tanh, or an
 // additive bias by head and distance: ALiBi, T5's relative bias) is applied to the scaled score tile in the
 // inner loop, before the masks, and the softmax then reads the modified scores as they are.
 #include <torch/extension.h>
@@ -15,6 +15,9 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -124,6 +127,34 @@ void library_pack_b(const T* in, int64_t K, int64_t N, int64_t ld_in, T* out, st
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// out[w * ldo + t] = in[t * ldi + w] over a 16 x 16 tile of 32-bit words: pairs of rows interleaved by words, then
+// by word pairs (a 128-bit lane of u[G][c] holds column 4L + c of rows 4G..4G + 3), then the 4 x 4 matrix of lanes
+// transposed.
+inline void transpose_16x16(const uint32_t* in, int64_t ldi, uint32_t* out, int64_t ldo) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in + i * ldi);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[g][c] in r[4g + c]
+    r[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_si512(out + (0 + c) * ldo, _mm512_shuffle_i32x4(a, e, 0x88));
+    _mm512_storeu_si512(out + (4 + c) * ldo, _mm512_shuffle_i32x4(a, e, 0xDD));
+    _mm512_storeu_si512(out + (8 + c) * ldo, _mm512_shuffle_i32x4(b, f, 0x88));
+    _mm512_storeu_si512(out + (12 + c) * ldo, _mm512_shuffle_i32x4(b, f, 0xDD));
+  }
+}
+#endif
+
 // The B operand K_j^T (D x bs) of a key block from its rows (valid of bs, the rest zero), chunk by chunk, written
 // here. A 32-bit word of a key row is one float32, or in 16-bit dtypes the pair (K[t][2w], K[t][2w + 1]) that VNNI
 // stores side by side: either way K_j^T is the transpose of the rows' words, one pass and no staging.
@@ -134,8 +165,14 @@ void pack_keys(const T* rows, int64_t d, int64_t bs, int64_t valid, T* out) {
   for (int64_t n0 = 0; n0 < bs; n0 += NB) {
     const int64_t nb = std::min(NB, bs - n0);
     auto* dst = reinterpret_cast<uint32_t*>(out + d * n0);
+    int64_t t0 = 0, w_done = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    w_done = words - words % 16;  // whole 16 x 16 tiles of valid rows by vector transposes, the rest below
+    for (; t0 + 16 <= nb && n0 + t0 + 16 <= valid; t0 += 16)
+      for (int64_t w = 0; w < w_done; w += 16) transpose_16x16(in + (n0 + t0) * words + w, words, dst + w * nb + t0, nb);
+#endif
     for (int64_t w = 0; w < words; ++w)
-      for (int64_t t = 0; t < nb; ++t) dst[w * nb + t] = n0 + t < valid ? in[(n0 + t) * words + w] : 0u;
+      for (int64_t t = w < w_done ? t0 : 0; t < nb; ++t) dst[w * nb + t] = n0 + t < valid ? in[(n0 + t) * words + w] : 0u;
   }
 }
 
@@ -181,6 +218,13 @@ inline void gemm_b(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldc, bo
   }
 }
 
+// Whether the product with value block j reads V's rows where they lie: float32 blocks are already the plain (bs x D)
+// B operand the GEMM takes (ldb = D), all but a ragged last block, whose rows past N are not there to read.
+template <typename T>
+inline bool values_in_place(int64_t j, int64_t bs, int64_t n) {
+  return !kVnni<T> && (j + 1) * bs <= n;
+}
+
 // K and V of every (head, key block) as the B operands of the two products, zero padded past N:
 // K_j^T (D x bs) and V_j (bs x D). own_pairs: written here even where oneDNN's packer exists (AMX), for the test
 // that the two layouts agree; where the packer exists it is used otherwise.
@@ -199,7 +243,7 @@ void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, in
       const T* vj = v + (h * n + j * bs) * d;
       if (!library) {
         pack_keys(kj, d, bs, valid, kp + task * d * bs);
-        pack_values(vj, d, bs, valid, vp + task * bs * d);
+        if (!values_in_place<T>(j, bs, n)) pack_values(vj, d, bs, valid, vp + task * bs * d);
         continue;
       }
       for (int64_t x = 0; x < d; ++x)
@@ -217,7 +261,7 @@ void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, in
 // (a selection per query row, run over the union of its block's rows' blocks). lse (optional): each row's
 // log-sum-exp of its allowed scaled scores, -inf for a row without keys.
 template <typename T>
-void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
+void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
             const int32_t* mask_slot, const bool* masks, float scale, int64_t tables, int64_t heads_per_kv,
             const int64_t* row_bits, float* lse, int64_t tm, float softcap, const float* dist_bias,
@@ -287,7 +331,13 @@ void attend(const T* q, const T* kp, const T* vp, T* out, int64_t heads, int64_t
         const T* p = kVnni<T> ? pt.data() : reinterpret_cast<const T*>(s.data());
         for (int64_t c = 0; c < nc; ++c) {
           const int64_t j = kv_index[slot0 + c0 + c];
-          gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (kvh * nkb + j) * bs * d, o.data());
+          if (values_in_place<T>(j, bs, n)) {
+            const T* vj = v + (kvh * n + j * bs) * d;
+            for (int64_t n0 = 0; n0 < d; n0 += NB)
+              brgemm(mm, std::min(NB, d - n0), bs, width, d, d, true, p + c * bs, vj + n0, o.data() + n0, false);
+          } else {
+            gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (kvh * nkb + j) * bs * d, o.data());
+          }
         }
       }
       for (int64_t i = 0; i < mm; ++i) {
@@ -347,7 +397,7 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
     using T = decltype(tag);
     pack_blocks<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.size(0), n, d, bs, kp.data_ptr<T>(), vp.data_ptr<T>(),
                    own_pairs);
-    attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq, n, d, bs,
+    attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq, n, d, bs,
               kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv, mask_slot.data_ptr<int32_t>(),
               masks.data_ptr<bool>(), static_cast<float>(scale), tables, heads_per_kv,
               bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm, static_cast<float>(softcap),
