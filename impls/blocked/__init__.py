@@ -44,6 +44,7 @@ from impls.blocked.kernel import (
     kernel_wanted,
     unavailable_reason,
 )
+from impls.blocked.pages import page_rows_attention, page_rows_unavailable, tokens_of_pages
 from impls.blocked.plan import BandPlan, GatherPlan, make_plan
 from impls.blocked.selected import base_slots, gathered_attention, head_tables, tasks_of
 from impls.blocked.tokens import rows_as_sequences_unavailable, token_attention, token_rows_attention
@@ -56,7 +57,7 @@ class Blocked(Impl):
     description = "dense matmuls over the block layout: sliding windows for bands, gathered blocks otherwise"
     fwd_bwd = True
     score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # in the CPU kernel only (unsupported_score_mod)
-    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block")}
+    selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
 
     def build_ahead(self, devices):
         if "cpu" in devices:  # both C++ kernels; each is cached per machine and loads in a second once built
@@ -214,6 +215,11 @@ class Blocked(Impl):
             self._extras["kernel_unavailable"] = kernel_missing
 
         def attend(selection):
+            if selection.kv_unit not in (1, bs):  # pages (blocked/pages.py): each (row, head) a paged decode
+                if page_rows_unavailable(selection, pattern, q, k, case.mode) is None:
+                    self._extras["path"] = "page_rows"
+                    return page_rows_attention(selection, pattern, q, k, v, scale)
+                selection = tokens_of_pages(selection, n)  # else as the tokens of its pages
             if selection.kv_unit == 1:  # tokens (blocked/tokens.py): each row read as a decode step over its
                 # tokens (inference, a selection a KV group shares), else torch ops over a tile's rows' union
                 if rows_as_sequences_unavailable(selection, q, k, case.mode) is None:

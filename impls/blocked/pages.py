@@ -1,0 +1,82 @@
+"""`blocked` over a selection of pages (Quest's: per query row and query head, pages of page_size keys).
+
+Inference (`page_rows_attention`, config.path `page_rows`): each (row, query head) is a decode sequence of its own
+over its selected pages, read by the decode kernel's paged loop (impls/blocked/decode.cpp). The contiguous cache
+is that loop's pool of pages as it lies (a view: a KV head's N keys are N / page pages side by side, nothing
+copied); each sequence's page table lists its selected pages in ascending order, and its length cuts the last
+page at the row's position, which is the base pattern's mask where that is causal (dense: nothing to cut). The
+pages' rows are read in place with the kernel's prefetch of the next step's pages and its online softmax: no
+gathered copy, no score outside the selection. A KV group's heads read their KV head's pages apart: the union of
+Quest's 4 heads' pages at 16K (8 on 2 KV heads, 1/16: 32.5 pages a head, 76 together), read once for the group
+with a bit per page and head, took 1.5x as long (2-core EPYC, interleaved): the compute of 4 rows over 2.3x the
+pages outweighed the reads it saved.
+
+Elsewhere (backward, a base pattern that is not a prefix of the keys, N not a whole number of pages) the pages
+become their tokens (`tokens_of_pages`) and take the token paths (impls/blocked/tokens.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bench.patterns.builtin import Causal, Dense
+from bench.selection import Selection
+from impls.blocked.decode import DecodePlan, decode_attention, decode_unavailable
+
+
+def page_rows_unavailable(selection: Selection, pattern, q: Tensor, k: Tensor, mode: str) -> str | None:
+    """Why `page_rows_attention` cannot run this call; None when it can."""
+    why = decode_unavailable(q[:, :, :1], mode)
+    if why is not None:
+        return why
+    if type(pattern) not in (Causal, Dense) or pattern.documents is not None:
+        return (f"base pattern {pattern.name}{' with documents' if pattern.documents is not None else ''}: the "
+                "page path cuts only the last page of a row (causal or dense)")
+    if k.shape[2] % selection.kv_unit:
+        return f"{k.shape[2]} keys are not a whole number of pages of {selection.kv_unit}"
+    return None
+
+
+def page_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tensor, scale: float
+                        ) -> tuple[Tensor, Tensor]:
+    """(out (B, H, q_len, D), lse (B, H, q_len) float32) of inference over a page selection, each (row, query
+    head) a decode sequence over its pages (module docstring); the base pattern causal or dense."""
+    b, h, nq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    page = selection.kv_unit
+    pages = n // page
+    rows = torch.arange(nq)
+    picked = selection.indices[:, selection.head_index(h, hkv)][:, :, rows // selection.q_unit].to(torch.int64)
+    # The last key each row may see: its own position under a causal base (pages past it are dropped), else N - 1.
+    last_key = pattern.q_offset + rows if isinstance(pattern, Causal) else torch.full((nq,), n - 1)
+    keep = (picked >= 0) & (picked * page <= last_key[None, None, :, None])  # (B, H, nq, K)
+    counts = keep.sum(dim=-1)  # (B, H, nq)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    ordered = torch.where(keep, picked, pages).sort(dim=-1).values[..., :width]  # kept pages first, ascending
+    listed = torch.arange(width) < counts[..., None]
+    last_page = ordered.gather(-1, (counts - 1).clamp(min=0)[..., None]).squeeze(-1)
+    lens = torch.where(counts > 0, (counts - 1) * page + (last_key - last_page * page + 1).clamp(max=page), 0)
+    # The pool: k viewed as (B * Hkv * pages, 1, page, D); a query head reads its KV head's pages.
+    kv_head = torch.arange(h) // (h // hkv)
+    first_page = (torch.arange(b)[:, None] * hkv + kv_head[None, :]) * pages  # (B, H)
+    table = torch.where(listed, first_page[:, :, None, None] + ordered, 0)
+    # Sequences in (batch, row, head) order, one query row each.
+    seq = lambda t: t.permute(0, 2, 1, *range(3, t.dim())).reshape(b * nq * h, *t.shape[3:])  # noqa: E731
+    page_table = seq(table).to(torch.int32).contiguous()
+    plan = DecodePlan(torch.arange(width, dtype=torch.int32).expand(b * nq * h, width).contiguous(),
+                      seq(counts).to(torch.int32).contiguous(), torch.ones(b * nq * h, width, dtype=torch.bool),
+                      torch.ones(1, 1, 1, dtype=torch.bool), page)
+    pool_k, pool_v = (t.contiguous().view(b * hkv * pages, 1, page, d) for t in (k, v))
+    q_seq = q.permute(0, 2, 1, 3).reshape(b * nq * h, 1, 1, d)
+    out, lse = decode_attention(plan, q_seq, pool_k, pool_v, scale, page_table, seq(lens).to(torch.int32))
+    return (out.view(b, nq, h, d).permute(0, 2, 1, 3).contiguous(),
+            lse.view(b, nq, h).permute(0, 2, 1).contiguous())
+
+
+def tokens_of_pages(selection: Selection, seq_len: int) -> Selection:
+    """The same selection in tokens: each page's keys (those inside seq_len), -1 where a page was -1."""
+    page = selection.kv_unit
+    tokens = selection.indices.to(torch.int64)[..., None] * page + torch.arange(page)
+    tokens = torch.where((selection.indices[..., None] >= 0) & (tokens < seq_len), tokens, -1)
+    return Selection(tokens.flatten(-2).to(torch.int32), selection.q_unit, 1, selection.shared)
