@@ -27,18 +27,38 @@ def _page_selection(b: int, heads: int, nq: int, pages: int, kept: int, seed: in
     return Selection(idx.to(torch.int32), 1, 16, "head")
 
 
+def _visible_pages_first(b: int, heads: int, nq: int, q_offset: int, pages: int, kept: int, seed: int
+                         ) -> Selection:
+    """Each (head, row)'s visible pages in random order (its own page among them, or left out where more are
+    visible than it keeps), -1 after them: kept entries first but unsorted, as Quest's top-k leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.full((b, heads, nq, kept), -1, dtype=torch.int32)
+    for r in range(nq):
+        for head in range(heads):
+            chosen = torch.randperm(min((q_offset + r) // 16 + 1, pages), generator=gen)[:kept]
+            idx[:, head, r, : len(chosen)] = chosen.to(torch.int32)
+    idx[:, 1, 6, :] = -1
+    return Selection(idx, 1, 16, "head")
+
+
+@pytest.mark.parametrize("layout", ["gaps_and_future_pages", "visible_pages_first"])
 @pytest.mark.parametrize("base", ["causal", "causal_chunk", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_as_paged_decodes_match_the_oracle(base, dtype):
+def test_rows_as_paged_decodes_match_the_oracle(base, dtype, layout):
     """Pages past a causal row dropped, the row's own page cut at its position (q_len < N: chunked prefill
-    positions), GQA (each query head its own pages, reading its KV head's), a row that keeps nothing."""
+    positions), GQA (each query head its own pages, reading its KV head's), a row that keeps nothing; selections
+    that need sorting (-1 among the pages) and selections whose pages come first in any order (kept as they are,
+    the row's own page moved last)."""
     gen = torch.Generator().manual_seed(3)
     b, h, hkv, n, d = 2, 4, 2, 96, 32
     nq = 40 if base == "causal_chunk" else n
     pattern = make_pattern("dense" if base == "dense" else "causal", n, q_len=nq)
     q = torch.randn(b, h, nq, d, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    selection = _page_selection(b, h, nq, n // 16, 3, seed=4)
+    if layout == "gaps_and_future_pages":
+        selection = _page_selection(b, h, nq, n // 16, 3, seed=4)
+    else:
+        selection = _visible_pages_first(b, h, nq, n - nq if base != "dense" else n, n // 16, 3, seed=4)
     q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
     assert page_rows_unavailable(selection, pattern, q_, k_, "fwd") is None
     out, lse = page_rows_attention(selection, pattern, q_, k_, v_, d ** -0.5)

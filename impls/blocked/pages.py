@@ -38,34 +38,61 @@ def page_rows_unavailable(selection: Selection, pattern, q: Tensor, k: Tensor, m
     return None
 
 
+def _row_pages(selection: Selection, h: int, hkv: int, nq: int, last_key: Tensor, page: int
+               ) -> tuple[Tensor, Tensor]:
+    """(listed (B, H, nq, W) int32, counts (B, H, nq)): each (head, row)'s pages with a key it may see (at most
+    `last_key`), first in the list, its own page (the one holding last_key) last where it is listed, so that the
+    sequence's length cuts it; entries past counts are 0. In the selection's order where its kept entries already
+    come first (Quest's), else sorted: no sort of every row where none is needed."""
+    picked = selection.indices
+    if selection.shared != "head":
+        picked = picked[:, selection.head_index(h, hkv)]
+    if selection.q_unit != 1:
+        picked = picked[:, :, torch.arange(nq) // selection.q_unit]
+    picked = picked.to(torch.int32)
+    own = (last_key // page).to(torch.int32)[None, None, :, None]  # a page has a visible key iff it is <= own
+    keep = (picked >= 0) & (picked <= own)
+    counts = keep.sum(dim=-1)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    slots = torch.arange(picked.shape[-1])
+    if not bool((keep == (slots < counts[..., None])).all()):
+        picked = torch.where(keep, picked, torch.iinfo(torch.int32).max).sort(dim=-1).values  # own page: last
+    listed = torch.where(slots[:width] < counts[..., None], picked[..., :width], 0)
+    last = (counts - 1).clamp(min=0)[..., None]
+    at_own = (listed == own) & (slots[:width] < counts[..., None])
+    where_own = at_own.to(torch.int8).argmax(dim=-1, keepdim=True)
+    has_own = at_own.any(dim=-1, keepdim=True)
+    moved = torch.where(has_own, listed.gather(-1, last), listed.gather(-1, where_own))
+    listed.scatter_(-1, where_own, moved)  # the last entry into the own page's slot, then the own page last
+    listed.scatter_(-1, last, torch.where(has_own, own.expand_as(last), listed.gather(-1, last)))
+    return listed, counts
+
+
 def page_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tensor, scale: float
                         ) -> tuple[Tensor, Tensor]:
-    """(out (B, H, q_len, D), lse (B, H, q_len) float32) of inference over a page selection, each (row, query
-    head) a decode sequence over its pages (module docstring); the base pattern causal or dense."""
+    """(out (B, H, q_len, D), lse (B, H, q_len) float32) of inference over a page selection, each (query head,
+    row) a decode sequence over its pages (module docstring); the base pattern causal or dense."""
     b, h, nq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     page = selection.kv_unit
     pages = n // page
     rows = torch.arange(nq)
-    picked = selection.indices[:, selection.head_index(h, hkv)][:, :, rows // selection.q_unit].to(torch.int64)
     # The last key each row may see: its own position under a causal base (pages past it are dropped), else N - 1.
     last_key = pattern.q_offset + rows if isinstance(pattern, Causal) else torch.full((nq,), n - 1)
-    keep = (picked >= 0) & (picked * page <= last_key[None, None, :, None])  # (B, H, nq, K)
-    counts = keep.sum(dim=-1)  # (B, H, nq)
-    width = max(int(counts.max()) if counts.numel() else 0, 1)
-    ordered = torch.where(keep, picked, pages).sort(dim=-1).values[..., :width]  # kept pages first, ascending
-    listed = torch.arange(width) < counts[..., None]
+    ordered, counts = _row_pages(selection, h, hkv, nq, last_key, page)
+    width = ordered.shape[-1]
     last_page = ordered.gather(-1, (counts - 1).clamp(min=0)[..., None]).squeeze(-1)
     lens = torch.where(counts > 0, (counts - 1) * page + (last_key - last_page * page + 1).clamp(max=page), 0)
-    # The pool: k viewed as (B * Hkv * pages, 1, page, D); a query head reads its KV head's pages.
+    # The pool: k viewed as (B * Hkv * pages, 1, page, D); a query head reads its KV head's pages (entries past a
+    # list's count hold page 0 of it: never read).
     kv_head = torch.arange(h) // (h // hkv)
-    first_page = (torch.arange(b)[:, None] * hkv + kv_head[None, :]) * pages  # (B, H)
-    table = torch.where(listed, first_page[:, :, None, None] + ordered, 0)
+    first_page = ((torch.arange(b)[:, None] * hkv + kv_head[None, :]) * pages).to(torch.int32)  # (B, H)
+    table = first_page[:, :, None, None] + ordered
     # Sequences in (batch, head, row) order, one query row each: a thread walks a head's rows in turn, whose pages
     # are mostly the same from one row to the next (1.4x faster than the heads of a row in turn, one row's pages of
     # 8 heads overflowing L2).
     seq = lambda t: t.reshape(b * h * nq, *t.shape[3:])  # noqa: E731
-    page_table = seq(table).to(torch.int32).contiguous()
+    page_table = seq(table)
     plan = DecodePlan(torch.arange(width, dtype=torch.int32).expand(b * h * nq, width).contiguous(),
                       seq(counts).to(torch.int32).contiguous(), torch.ones(b * h * nq, width, dtype=torch.bool),
                       torch.ones(1, 1, 1, dtype=torch.bool), page)
