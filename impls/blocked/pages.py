@@ -52,7 +52,7 @@ def _row_pages(selection: Selection, h: int, hkv: int, nq: int, last_key: Tensor
     picked = picked.to(torch.int32)
     own = (last_key // page).to(torch.int32)[None, None, :, None]  # a page has a visible key iff it is <= own
     keep = (picked >= 0) & (picked <= own)
-    counts = keep.sum(dim=-1)
+    counts = keep.sum(dim=-1, dtype=torch.int32)
     width = max(int(counts.max()) if counts.numel() else 0, 1)
     slots = torch.arange(picked.shape[-1])
     if not bool((keep == (slots < counts[..., None])).all()):

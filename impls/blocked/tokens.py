@@ -27,6 +27,7 @@ import math
 import torch
 from torch import Tensor
 
+from bench.patterns.builtin import Causal, Dense
 from bench.selection import Selection
 from impls.blocked.decode import DecodePlan, decode_attention, decode_unavailable
 from impls.common import accum_dtype, masked_lse_softmax
@@ -155,13 +156,23 @@ def token_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v:
     rows = torch.arange(nq)
     sel_of_kv = selection.head_index(h, hkv)[::group]  # (Hkv,) the selection head each KV head's group reads
     heads, kv_list = torch.unique(sel_of_kv, return_inverse=True)  # DSA's one selection serves every KV head
-    kept = selection.indices[:, heads][:, :, rows // selection.q_unit].to(torch.int64)  # (B, S, nq, K)
-    token = kept.clamp(min=0)
-    allowed = (kept >= 0) & pattern.mask(rows[None, None, :, None], token.cpu()).to(kept.device)
-    counts = allowed.sum(dim=-1)  # (B, S, nq)
+    kept = selection.indices  # (B, S, nq, K); copied only where heads or rows are picked from it
+    if not torch.equal(heads, torch.arange(kept.shape[1])):
+        kept = kept[:, heads]
+    if selection.q_unit != 1 or kept.shape[2] != nq:
+        kept = kept[:, :, rows // selection.q_unit]
+    kept = kept.to(torch.int32)
+    if type(pattern) in (Causal, Dense) and pattern.documents is None:  # the base as one comparison per token
+        last_key = pattern.q_offset + rows if isinstance(pattern, Causal) else torch.full((nq,), n - 1)
+        allowed = (kept >= 0) & (kept <= last_key.to(torch.int32)[None, None, :, None])
+    else:
+        allowed = (kept >= 0) & pattern.mask(rows[None, None, :, None], kept.clamp(min=0).to(torch.int64).cpu()
+                                             ).to(kept.device)
+    counts = allowed.sum(dim=-1, dtype=torch.int32)  # (B, S, nq); int32: half the time of int64 here
     width = max(int(counts.max()) if counts.numel() else 0, 1)
+    token = kept  # a list's entries past its count are never read
     if not torch.equal(allowed, torch.arange(kept.shape[-1]) < counts[..., None]):  # kept ones not first: order
-        token = torch.where(allowed, token, n).sort(dim=-1).values.clamp(max=n - 1)
+        token = torch.where(allowed, kept, n).sort(dim=-1).values.clamp(max=n - 1)
     counts = counts[:, kv_list].permute(0, 2, 1).reshape(-1).to(torch.int32).contiguous()  # (B * nq * Hkv,)
     # A sequence per (batch, row); per (sequence, KV head) its tokens' rows after the KV head's first row of k:
     # one list per sequence where every KV head reads the same selection, else one per (sequence, KV head)
