@@ -572,31 +572,37 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
     // A task: one (sequence, KV head)'s split in a contiguous cache; one sequence's split over all its KV heads in
     // a paged one (attend_lanes).
     const int64_t per_task = paged ? hkv : 1;
-    at::parallel_for(0, tasks / per_task, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        std::vector<Lane<std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>>> lanes;
-        for (int64_t lane = 0; lane < per_task; ++lane) {
-          const int64_t flat = paged ? ((task / splits) * hkv + lane) * splits + task % splits : task;
-          const int64_t bh = flat / splits, split = flat % splits, bi = bh / hkv, h = bh % hkv;
-          const int64_t count = counts.data_ptr<int32_t>()[bh], per = (count + splits - 1) / splits;
-          const int64_t c0 = std::min(count, split * per), c1 = std::min(count, c0 + per);
-          Partial& part = parts[flat];
-          part.o.assign(rows * d, 0.f);
-          part.m.assign(rows, NEG_INF);
-          part.l.assign(rows, 0.f);
-          const ListView lv{blocks.data_ptr<int32_t>() + bh * max_blocks, full.data_ptr<bool>() + bh * max_blocks,
-                            bs, lens.data_ptr<int32_t>()[bi], paged ? pt + bi * max_pages : nullptr,
-                            paged ? hkv * bs * d : 0, paged ? h * bs * d : (bi * hkv + h) * n_ctx * d, d};
-          const int64_t t_index = mt == 1 ? 0 : (mt == b ? bi : bh);
-          const int64_t list = lists_per_seq == 1 ? bi : bh;
-          lanes.push_back({qp + bh * rows * d,
-                           gathered ? gathered_groups(key_base.data_ptr<int64_t>()[bh],
-                                                      key_rows.data_ptr<int32_t>() + list * key_rows.size(1), c0, c1)
-                                    : groups_of(lv, c0, c1),
-                           MaskRows{mask.data_ptr<bool>() + t_index * mrows * mn, mrows, mn}, &part,
-                           paged || gathered});
+    // The tasks dealt out in turn, thread slot s taking tasks s, s + slots, ...: a contiguous range per thread put
+    // the costs that grow along the task order on the last thread (a causal selection's later rows keep more keys:
+    // DSA's rows at 16K ran 1.8x faster dealt out, on 2 threads).
+    const int64_t units = tasks / per_task, slots = std::min<int64_t>(at::get_num_threads(), units);
+    at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
+      for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
+        for (int64_t task = slot; task < units; task += slots) {
+          std::vector<Lane<std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>>> lanes;
+          for (int64_t lane = 0; lane < per_task; ++lane) {
+            const int64_t flat = paged ? ((task / splits) * hkv + lane) * splits + task % splits : task;
+            const int64_t bh = flat / splits, split = flat % splits, bi = bh / hkv, h = bh % hkv;
+            const int64_t count = counts.data_ptr<int32_t>()[bh], per = (count + splits - 1) / splits;
+            const int64_t c0 = std::min(count, split * per), c1 = std::min(count, c0 + per);
+            Partial& part = parts[flat];
+            part.o.assign(rows * d, 0.f);
+            part.m.assign(rows, NEG_INF);
+            part.l.assign(rows, 0.f);
+            const ListView lv{blocks.data_ptr<int32_t>() + bh * max_blocks, full.data_ptr<bool>() + bh * max_blocks,
+                              bs, lens.data_ptr<int32_t>()[bi], paged ? pt + bi * max_pages : nullptr,
+                              paged ? hkv * bs * d : 0, paged ? h * bs * d : (bi * hkv + h) * n_ctx * d, d};
+            const int64_t t_index = mt == 1 ? 0 : (mt == b ? bi : bh);
+            const int64_t list = lists_per_seq == 1 ? bi : bh;
+            lanes.push_back({qp + bh * rows * d,
+                             gathered ? gathered_groups(key_base.data_ptr<int64_t>()[bh],
+                                                        key_rows.data_ptr<int32_t>() + list * key_rows.size(1), c0, c1)
+                                      : groups_of(lv, c0, c1),
+                             MaskRows{mask.data_ptr<bool>() + t_index * mrows * mn, mrows, mn}, &part,
+                             paged || gathered});
+          }
+          attend_lanes<T, E>(lanes, rows, kp, vp, d, static_cast<float>(scale));
         }
-        attend_lanes<T, E>(lanes, rows, kp, vp, d, static_cast<float>(scale));
       }
     });
     at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
