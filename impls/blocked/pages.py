@@ -3,8 +3,9 @@
 Inference (`page_rows_attention`, config.path `page_rows`): each (query head, row) is a decode sequence of its own
 over its selected pages, read by the decode kernel's paged loop (impls/blocked/decode.cpp). The contiguous cache
 is that loop's pool of pages as it lies (a view: a KV head's N keys are N / page pages side by side, nothing
-copied); each sequence's page table lists its selected pages in ascending order, and its length cuts the last
-page at the row's position, which is the base pattern's mask where that is causal (dense: nothing to cut). The
+copied); each sequence's page table lists its selected pages as the selection has them (sorted only where
+dropped entries sit among the kept), the row's own page moved last so that the sequence's length cuts it at the
+row's position, which is the base pattern's mask where that is causal (dense: nothing to cut). The
 pages' rows are read in place with the kernel's prefetch of the next step's pages and its online softmax: no
 gathered copy, no score outside the selection. A KV group's heads read their KV head's pages apart: the union of
 Quest's 4 heads' pages at 16K (8 on 2 KV heads, 1/16: 32.5 pages a head, 76 together), read once for the group
