@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bench.patterns.builtin import Causal, Dense
 from bench.selection import Selection
 from impls.blocked.decode import DecodePlan, decode_attention, decode_unavailable
+from impls.blocked.tokens import last_visible_key, selected_rows
 
 
 def page_rows_unavailable(selection: Selection, pattern, q: Tensor, k: Tensor, mode: str) -> str | None:
@@ -31,7 +31,7 @@ def page_rows_unavailable(selection: Selection, pattern, q: Tensor, k: Tensor, m
     why = decode_unavailable(q[:, :, :1], mode)
     if why is not None:
         return why
-    if type(pattern) not in (Causal, Dense) or pattern.documents is not None:
+    if last_visible_key(pattern, 1, k.shape[2]) is None:
         return (f"base pattern {pattern.name}{' with documents' if pattern.documents is not None else ''}: the "
                 "page path cuts only the last page of a row (causal or dense)")
     if k.shape[2] % selection.kv_unit:
@@ -45,12 +45,7 @@ def _row_pages(selection: Selection, h: int, hkv: int, nq: int, last_key: Tensor
     `last_key`), first in the list, its own page (the one holding last_key) last where it is listed, so that the
     sequence's length cuts it; entries past counts are 0. In the selection's order where its kept entries already
     come first (Quest's), else sorted: no sort of every row where none is needed."""
-    picked = selection.indices
-    if selection.shared != "head":
-        picked = picked[:, selection.head_index(h, hkv)]
-    if selection.q_unit != 1:
-        picked = picked[:, :, torch.arange(nq) // selection.q_unit]
-    picked = picked.to(torch.int32)
+    picked = selected_rows(selection, selection.head_index(h, hkv), nq)
     own = (last_key // page).to(torch.int32)[None, None, :, None]  # a page has a visible key iff it is <= own
     keep = (picked >= 0) & (picked <= own)
     counts = keep.sum(dim=-1, dtype=torch.int32)
@@ -77,9 +72,8 @@ def page_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: 
     hkv, n = k.shape[1], k.shape[2]
     page = selection.kv_unit
     pages = n // page
-    rows = torch.arange(nq)
-    # The last key each row may see: its own position under a causal base (pages past it are dropped), else N - 1.
-    last_key = pattern.q_offset + rows if isinstance(pattern, Causal) else torch.full((nq,), n - 1)
+    last_key = last_visible_key(pattern, nq, n)  # pages past it are dropped; page_rows_unavailable: not None
+    assert last_key is not None, "page_rows_attention takes a causal or dense base (page_rows_unavailable)"
     ordered, counts = _row_pages(selection, h, hkv, nq, last_key, page)
     width = ordered.shape[-1]
     last_page = ordered.gather(-1, (counts - 1).clamp(min=0)[..., None]).squeeze(-1)
@@ -95,7 +89,7 @@ def page_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: 
     seq = lambda t: t.reshape(b * h * nq, *t.shape[3:])  # noqa: E731
     page_table = seq(table)
     plan = DecodePlan(torch.arange(width, dtype=torch.int32).expand(b * h * nq, width).contiguous(),
-                      seq(counts).to(torch.int32).contiguous(), torch.ones(b * h * nq, width, dtype=torch.bool),
+                      seq(counts).contiguous(), torch.ones(b * h * nq, width, dtype=torch.bool),
                       torch.ones(1, 1, 1, dtype=torch.bool), page)
     pool_k, pool_v = (t.contiguous().view(b * hkv * pages, 1, page, d) for t in (k, v))
     q_seq = q.reshape(b * h * nq, 1, 1, d)

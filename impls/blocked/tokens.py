@@ -143,6 +143,25 @@ def rows_as_sequences_unavailable(selection: Selection, q: Tensor, k: Tensor, mo
     return None
 
 
+def last_visible_key(pattern, nq: int, n: int) -> Tensor | None:
+    """(nq,) int64: the last key each query row may see where the base pattern is a prefix of the keys (causal:
+    the row's position; dense: N - 1), so that one comparison is its mask; None for any other base."""
+    if type(pattern) not in (Causal, Dense) or pattern.documents is not None:
+        return None
+    return pattern.q_offset + torch.arange(nq) if isinstance(pattern, Causal) else torch.full((nq,), n - 1)
+
+
+def selected_rows(selection: Selection, heads: Tensor, nq: int) -> Tensor:
+    """int32 (B, len(heads), nq, K): the selection's indices of selection heads `heads` for each query row, read
+    in place where that picks nothing out of them (no copy of a 16K x 1024 selection)."""
+    picked = selection.indices
+    if not torch.equal(heads, torch.arange(picked.shape[1])):
+        picked = picked[:, heads]
+    if selection.q_unit != 1 or picked.shape[2] != nq:
+        picked = picked[:, :, torch.arange(nq) // selection.q_unit]
+    return picked.to(torch.int32)
+
+
 def token_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: Tensor, scale: float
                          ) -> tuple[Tensor, Tensor]:
     """(out, lse) of inference over a token selection shared by a KV group's heads (DSA's), each query row read
@@ -156,14 +175,9 @@ def token_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v:
     rows = torch.arange(nq)
     sel_of_kv = selection.head_index(h, hkv)[::group]  # (Hkv,) the selection head each KV head's group reads
     heads, kv_list = torch.unique(sel_of_kv, return_inverse=True)  # DSA's one selection serves every KV head
-    kept = selection.indices  # (B, S, nq, K); copied only where heads or rows are picked from it
-    if not torch.equal(heads, torch.arange(kept.shape[1])):
-        kept = kept[:, heads]
-    if selection.q_unit != 1 or kept.shape[2] != nq:
-        kept = kept[:, :, rows // selection.q_unit]
-    kept = kept.to(torch.int32)
-    if type(pattern) in (Causal, Dense) and pattern.documents is None:  # the base as one comparison per token
-        last_key = pattern.q_offset + rows if isinstance(pattern, Causal) else torch.full((nq,), n - 1)
+    kept = selected_rows(selection, heads, nq)  # (B, S, nq, K)
+    last_key = last_visible_key(pattern, nq, n)
+    if last_key is not None:  # the base as one comparison per token
         allowed = (kept >= 0) & (kept <= last_key.to(torch.int32)[None, None, :, None])
     else:
         allowed = (kept >= 0) & pattern.mask(rows[None, None, :, None], kept.clamp(min=0).to(torch.int64).cpu()
