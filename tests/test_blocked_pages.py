@@ -47,8 +47,8 @@ def _visible_pages_first(b: int, heads: int, nq: int, q_offset: int, pages: int,
 def test_rows_as_paged_decodes_match_the_oracle(base, dtype, layout):
     """Pages past a causal row dropped, the row's own page cut at its position (q_len < N: chunked prefill
     positions), GQA (each query head its own pages, reading its KV head's), a row that keeps nothing; selections
-    that need sorting (-1 among the pages) and selections whose pages come first in any order (kept as they are,
-    the row's own page moved last)."""
+    with -1 and future pages among the kept (left out) and selections whose pages come first in any order (kept
+    as they are, the row's own page moved last)."""
     gen = torch.Generator().manual_seed(3)
     b, h, hkv, n, d = 2, 4, 2, 96, 32
     nq = 40 if base == "causal_chunk" else n

@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -367,10 +368,9 @@ struct ListView {
   int64_t page_stride, head_offset, d;
 };
 
-// The groups of blocks [c_begin, c_end) of a list, in order, empty ones left out.
-inline std::vector<Group> groups_of(const ListView& lv, int64_t c_begin, int64_t c_end) {
-  std::vector<Group> out;
-  out.reserve((c_end - c_begin) * ((lv.bs + GK - 1) / GK));
+// The groups of blocks [c_begin, c_end) of a list, in order, empty ones left out, into `out` (a thread's, reused).
+inline void groups_of(const ListView& lv, int64_t c_begin, int64_t c_end, std::vector<Group>& out) {
+  out.clear();
   for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t j = lv.blocks[c], first = j * lv.bs;
     const int64_t valid = std::min(lv.bs, lv.n_valid - first);
@@ -379,15 +379,13 @@ inline std::vector<Group> groups_of(const ListView& lv, int64_t c_begin, int64_t
     for (int64_t t0 = 0; t0 < valid; t0 += GK)
       out.push_back({base + t0 * lv.d, first + t0, std::min(GK, valid - t0), lv.full[c]});
   }
-  return out;
 }
 
-// Groups of GK gathered keys [c_begin, c_end) of a list of key rows after `base` (every key allowed).
-inline std::vector<Group> gathered_groups(int64_t base, const int32_t* rows, int64_t c_begin, int64_t c_end) {
-  std::vector<Group> out;
-  out.reserve((c_end - c_begin + GK - 1) / GK);
+// Groups of GK gathered keys [c_begin, c_end) of a list of key rows after `base` (every key allowed), into `out`.
+inline void gathered_groups(int64_t base, const int32_t* rows, int64_t c_begin, int64_t c_end,
+                            std::vector<Group>& out) {
+  out.clear();
   for (int64_t c = c_begin; c < c_end; c += GK) out.push_back({base, c, std::min(GK, c_end - c), true, rows + c});
-  return out;
 }
 
 // One row's online-softmax step over `cols` scores s (-inf where not allowed): P into p, the running max, sum and
@@ -472,11 +470,11 @@ void prefetch_step(const Lane<Q>& lane, int64_t g0, const T* k, const T* v, int6
 // one sequence's KV heads, whose rows of one page lie side by side in the pool, so a page is read while its
 // neighbours' translations and lines are at hand. While one lane-step computes, the next one's key and value rows
 // are prefetched into L2 (a page's rows lie anywhere in the pool, where the hardware prefetcher cannot follow).
+// s and p: scratch of rows * STEP_KEYS scores and probabilities.
 template <typename T, typename E, typename Q>
-void attend_lanes(const std::vector<Lane<Q>>& lanes, int64_t rows, const T* k, const T* v, int64_t d, float scale) {
+void attend_lanes(const std::vector<Lane<Q>>& lanes, int64_t rows, const T* k, const T* v, int64_t d, float scale,
+                  float* s, typename E::P* p) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T)), nl = static_cast<int64_t>(lanes.size());
-  std::vector<float> s(rows * STEP_KEYS);
-  std::vector<typename E::P> p(rows * STEP_KEYS);
   int64_t steps = 0;
   for (const auto& lane : lanes) steps = std::max<int64_t>(steps, lane.groups.size());
   steps = (steps + STEP_GROUPS - 1) / STEP_GROUPS;
@@ -486,24 +484,23 @@ void attend_lanes(const std::vector<Lane<Q>>& lanes, int64_t rows, const T* k, c
     const Lane<Q>& lane = lanes[unit % nl];
     const int64_t g0 = (unit / nl) * STEP_GROUPS;
     if (g0 < static_cast<int64_t>(lane.groups.size()))
-      lane_step<T, E>(lane, g0, rows, k, v, d, scale, s.data(), p.data());
+      lane_step<T, E>(lane, g0, rows, k, v, d, scale, s, p);
   }
   for (const auto& lane : lanes) E::finish(lane.part->o.data(), rows, d);
 }
 
-// The combination of a (sequence, KV head)'s splits by log-sum-exp, into its output rows and lse.
+// The combination of a (sequence, KV head)'s `splits` partials (consecutive from `parts`) by log-sum-exp, into its
+// output rows (`out`: its first) and lse; o: scratch of d floats.
 template <typename T>
-void combine(const std::vector<Partial>& parts, int64_t bh, int64_t splits, int64_t rows, int64_t d, T* out,
-             float* lse) {
-  std::vector<float> o(d);
+void combine(const Partial* parts, int64_t splits, int64_t rows, int64_t d, T* out, float* lse, float* o) {
   for (int64_t r = 0; r < rows; ++r) {
     float m = NEG_INF;
-    for (int64_t s = 0; s < splits; ++s) m = std::max(m, parts[bh * splits + s].m[r]);
+    for (int64_t s = 0; s < splits; ++s) m = std::max(m, parts[s].m[r]);
     float l = 0.f;
-    std::fill(o.begin(), o.end(), 0.f);
+    std::fill(o, o + d, 0.f);
     if (m != NEG_INF) {
       for (int64_t s = 0; s < splits; ++s) {
-        const Partial& part = parts[bh * splits + s];
+        const Partial& part = parts[s];
         if (part.m[r] == NEG_INF) continue;
         const float w = std::exp(part.m[r] - m);
         l += part.l[r] * w;
@@ -512,19 +509,19 @@ void combine(const std::vector<Partial>& parts, int64_t bh, int64_t splits, int6
     }
     const float inv = l > 0.f ? 1.f / l : 0.f;
     for (int64_t x = 0; x < d; ++x) o[x] *= inv;
-    T* dst = out + (bh * rows + r) * d;
+    T* dst = out + r * d;
     if constexpr (std::is_same_v<T, float>) {
-      std::memcpy(dst, o.data(), d * sizeof(float));
+      std::memcpy(dst, o, d * sizeof(float));
     } else {
-      at::vec::convert(o.data(), dst, d);
+      at::vec::convert(o, dst, d);
     }
-    lse[bh * rows + r] = l > 0.f ? m + std::log(l) : NEG_INF;
+    lse[r] = l > 0.f ? m + std::log(l) : NEG_INF;
   }
 }
 
 // q (B, Hkv, R, D) with R = G * q_len rows per KV head; contiguous k, v (B, Hkv, N, D), or paged k, v (P, Hkv,
 // page, D) with page_table int32 (B, max_pages) and bs = page; blocks int32 (B * Hkv, max_blocks) and their
-// count (B * Hkv,), full bool (B * Hkv, max_blocks); mask bool (T, M, N) with T in {1, B, B * Hkv} and M = R or
+// count (B * Hkv,), full bool (B * Hkv, max_blocks), or both of 1 row that every list shares; mask bool (T, M, N) with T in {1, B, B * Hkv} and M = R or
 // q_len (the rows of one query head, shared by the G heads: mask row = r % M, as q row r = gi * q_len + t);
 // lens int32 (B,) keys per sequence. splits >= 1. bf16_dot: bfloat16 products on AVX512-BF16 (the caller checked
 // the CPU has it). Returns (out (B, Hkv, R, D) in q's dtype, lse (B, Hkv, R) float32).
@@ -553,64 +550,97 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
   const int64_t lists_per_seq = gathered && key_rows.size(0) == q.size(0) ? 1 : q.size(1);
   TORCH_CHECK(k.dim() == 4 && k.size(1) == hkv && k.size(3) == d, "k (B or P, Hkv, N or page, D)");
   TORCH_CHECK(!paged || k.size(2) == bs, "a page of bs rows");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == b * hkv && counts.numel() == b * hkv &&
-              full.sizes() == blocks.sizes(), "blocks, full (B * Hkv, max_blocks), counts (B * Hkv,)");
+  TORCH_CHECK(blocks.dim() == 2 && (blocks.size(0) == b * hkv || blocks.size(0) == 1) && counts.numel() == b * hkv &&
+              full.sizes() == blocks.sizes(), "blocks, full (B * Hkv or 1, max_blocks), counts (B * Hkv,)");
   TORCH_CHECK(mask.dim() == 3 && (mask.size(0) == 1 || mask.size(0) == b || mask.size(0) == b * hkv) &&
               rows % mask.size(1) == 0, "mask (T, M, N)");
   const int64_t n_ctx = paged ? 0 : k.size(2);
   const int64_t max_blocks = blocks.size(1), tasks = b * hkv * splits;
   auto out = torch::empty_like(q);
   auto lse = torch::empty({b, hkv, rows}, q.options().dtype(at::kFloat));
-  std::vector<Partial> parts(tasks);
+  // One split per (sequence, KV head): its lanes write their output rows themselves (Quest's page rows are 131K
+  // one-row sequences at 16K: a partial kept for each, and a pass to combine them, were 67 MB and a fifth of the call).
+  const bool direct = splits == 1;
+  std::vector<Partial> parts(direct ? 0 : tasks);
   const int32_t* pt = paged ? page_table.data_ptr<int32_t>() : nullptr;
   const int64_t max_pages = paged ? page_table.size(1) : 0, mt = mask.size(0), mrows = mask.size(1), mn = mask.size(2);
+  // blocks and full: one row per (sequence, KV head), or one row that every list shares (a page selection's lists
+  // are its page tables: block i is entry i)
+  const int64_t list_stride = blocks.size(0) == 1 ? 0 : max_blocks;
   auto run = [&](auto tag, auto engine, const auto* qp) {
     using T = decltype(tag);
     using E = decltype(engine);
+    using Q = std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>;
     const T* kp = k.data_ptr<T>();
     const T* vp = v.data_ptr<T>();
     // A task: one (sequence, KV head)'s split in a contiguous cache; one sequence's split over all its KV heads in
     // a paged one (attend_lanes).
     const int64_t per_task = paged ? hkv : 1;
-    // The tasks dealt out in turn, thread slot s taking tasks s, s + slots, ...: a contiguous range per thread put
-    // the costs that grow along the task order on the last thread (a causal selection's later rows keep more keys:
-    // DSA's rows at 16K ran 1.8x faster dealt out, on 2 threads).
+    // The threads take chunks of tasks in turn from a shared counter: a thread that a neighbour's process slows
+    // takes fewer, and a causal selection's later, costlier rows are not all one thread's (a contiguous range per
+    // thread put them on the last: DSA's rows at 16K ran 1.8x faster dealt out, on 2 threads). A chunk is a
+    // 64th of a thread's share (each take is an atomic add), one task where there are few.
     const int64_t units = tasks / per_task, slots = std::min<int64_t>(at::get_num_threads(), units);
+    const int64_t chunk = std::max<int64_t>(1, units / (std::max<int64_t>(slots, 1) * 64));
+    std::atomic<int64_t> next_task{0};
     at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
-      for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
-        for (int64_t task = slot; task < units; task += slots) {
-          std::vector<Lane<std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>>> lanes;
+      if (slot_begin >= slot_end) return;
+      // A thread's scratch, reused by each of its tasks (no allocation per task).
+      std::vector<Lane<Q>> lanes(per_task);
+      std::vector<Partial> own(direct ? per_task : 0);
+      std::vector<float> s(rows * STEP_KEYS), o(d);
+      std::vector<typename E::P> p(rows * STEP_KEYS);
+      for (int64_t first = next_task.fetch_add(chunk); first < units; first = next_task.fetch_add(chunk)) {
+        for (int64_t task = first; task < std::min(units, first + chunk); ++task) {
           for (int64_t lane = 0; lane < per_task; ++lane) {
             const int64_t flat = paged ? ((task / splits) * hkv + lane) * splits + task % splits : task;
             const int64_t bh = flat / splits, split = flat % splits, bi = bh / hkv, h = bh % hkv;
             const int64_t count = counts.data_ptr<int32_t>()[bh], per = (count + splits - 1) / splits;
             const int64_t c0 = std::min(count, split * per), c1 = std::min(count, c0 + per);
-            Partial& part = parts[flat];
+            Partial& part = direct ? own[lane] : parts[flat];
             part.o.assign(rows * d, 0.f);
             part.m.assign(rows, NEG_INF);
             part.l.assign(rows, 0.f);
-            const ListView lv{blocks.data_ptr<int32_t>() + bh * max_blocks, full.data_ptr<bool>() + bh * max_blocks,
+            const ListView lv{blocks.data_ptr<int32_t>() + bh * list_stride, full.data_ptr<bool>() + bh * list_stride,
                               bs, lens.data_ptr<int32_t>()[bi], paged ? pt + bi * max_pages : nullptr,
                               paged ? hkv * bs * d : 0, paged ? h * bs * d : (bi * hkv + h) * n_ctx * d, d};
             const int64_t t_index = mt == 1 ? 0 : (mt == b ? bi : bh);
             const int64_t list = lists_per_seq == 1 ? bi : bh;
-            lanes.push_back({qp + bh * rows * d,
-                             gathered ? gathered_groups(key_base.data_ptr<int64_t>()[bh],
-                                                        key_rows.data_ptr<int32_t>() + list * key_rows.size(1), c0, c1)
-                                      : groups_of(lv, c0, c1),
-                             MaskRows{mask.data_ptr<bool>() + t_index * mrows * mn, mrows, mn}, &part,
-                             paged || gathered});
+            Lane<Q>& ln = lanes[lane];
+            if (gathered) {
+              gathered_groups(key_base.data_ptr<int64_t>()[bh], key_rows.data_ptr<int32_t>() + list * key_rows.size(1),
+                              c0, c1, ln.groups);
+            } else {
+              groups_of(lv, c0, c1, ln.groups);
+            }
+            ln.q = qp + bh * rows * d;
+            ln.mr = MaskRows{mask.data_ptr<bool>() + t_index * mrows * mn, mrows, mn};
+            ln.part = &part;
+            ln.quads = paged || gathered;
           }
-          attend_lanes<T, E>(lanes, rows, kp, vp, d, static_cast<float>(scale));
+          attend_lanes<T, E>(lanes, rows, kp, vp, d, static_cast<float>(scale), s.data(), p.data());
+          if (direct) {
+            for (int64_t lane = 0; lane < per_task; ++lane) {
+              const int64_t bh = paged ? task * hkv + lane : task;
+              combine(&own[lane], 1, rows, d, out.data_ptr<T>() + bh * rows * d, lse.data_ptr<float>() + bh * rows,
+                      o.data());
+            }
+          }
         }
       }
     });
+    if (direct) return;
     at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) combine(parts, bh, splits, rows, d, out.data_ptr<T>(), lse.data_ptr<float>());
+      std::vector<float> o(d);
+      for (int64_t bh = begin; bh < end; ++bh)
+        combine(parts.data() + bh * splits, splits, rows, d, out.data_ptr<T>() + bh * rows * d,
+                lse.data_ptr<float>() + bh * rows, o.data());
     });
   };
-  auto qf = q.to(at::kFloat).contiguous();
-  const float* qfp = qf.data_ptr<float>();
+  // float32 query rows: the engines that take q widened (not the bfloat16 dot products)
+  const bool widened = !(q.scalar_type() == at::kBFloat16 && bf16_dot);
+  auto qf = widened ? q.to(at::kFloat).contiguous() : torch::Tensor();
+  const float* qfp = widened ? qf.data_ptr<float>() : nullptr;
   switch (q.scalar_type()) {
 #if defined(CPU_CAPABILITY_AVX512)
     case at::kFloat: run(float{}, FmaEngine<float>{}, qfp); break;
@@ -630,6 +660,53 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
   return {out, lse};
 }
 
+// The page tables of a page selection read as one decode sequence per (batch, query head, row) (Quest's; the
+// page_rows path of impls/blocked/pages.py), in one pass over the selection: picked int32 (B, H, nq, K) each row's
+// pages of its query head's KV head (-1 pads), last_key int64 (nq,) the last key a row may see (the base pattern
+// a prefix of the keys). A row keeps the pages with a key it may see (page <= its own page), in the selection's
+// order, its own page moved last so that its length cuts that page at last_key; entries are pages of the pool
+// (B * Hkv * pages pages of `page` rows: KV head kv of batch bi starts at page (bi * Hkv + kv) * pages). Returns
+// (table int32 (B * H * nq, K), entries past a row's count 0; counts int32 (B * H * nq,); lens int32, keys).
+std::vector<torch::Tensor> page_row_tables(const torch::Tensor& picked, const torch::Tensor& last_key, int64_t page,
+                                           int64_t pages, int64_t hkv) {
+  TORCH_CHECK(picked.dim() == 4 && picked.scalar_type() == at::kInt && picked.is_contiguous(),
+              "picked int32 (B, H, nq, K), contiguous");
+  TORCH_CHECK(last_key.scalar_type() == at::kLong && last_key.numel() == picked.size(2), "last_key int64 (nq,)");
+  const int64_t b = picked.size(0), h = picked.size(1), nq = picked.size(2), width = picked.size(3);
+  TORCH_CHECK(h % hkv == 0, "query heads a multiple of KV heads");
+  const int64_t sequences = b * h * nq;
+  auto table = torch::zeros({sequences, width}, picked.options());
+  auto counts = torch::empty({sequences}, picked.options());
+  auto lens = torch::empty({sequences}, picked.options());
+  const int32_t* src = picked.data_ptr<int32_t>();
+  const int64_t* last = last_key.data_ptr<int64_t>();
+  int32_t* dst = table.data_ptr<int32_t>();
+  int32_t* count_of = counts.data_ptr<int32_t>();
+  int32_t* len_of = lens.data_ptr<int32_t>();
+  at::parallel_for(0, sequences, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t row = s % nq, head = (s / nq) % h, bi = s / (nq * h);
+      const int64_t first_page = (bi * hkv + head / (h / hkv)) * pages, own = last[row] / page;
+      const int32_t* in = src + s * width;
+      int32_t* out = dst + s * width;
+      int64_t kept = 0;
+      bool has_own = false;
+      for (int64_t i = 0; i < width; ++i) {
+        const int64_t unit = in[i];
+        if (unit < 0 || unit > own) continue;
+        if (unit == own) { has_own = true; continue; }
+        out[kept++] = static_cast<int32_t>(first_page + unit);
+      }
+      if (has_own) out[kept++] = static_cast<int32_t>(first_page + own);
+      count_of[s] = static_cast<int32_t>(kept);
+      const int64_t last_page = kept > 0 ? out[kept - 1] - first_page : 0;
+      len_of[s] = kept > 0 ? static_cast<int32_t>((kept - 1) * page +
+                                                 std::min(page, last[row] - last_page * page + 1)) : 0;
+    }
+  });
+  return {table, counts, lens};
+}
+
 // Which engine this build runs for a dtype (the record's config.decode_engine).
 std::string engine_name(py::object dtype, bool bf16_dot) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -645,4 +722,5 @@ std::string engine_name(py::object dtype, bool bf16_dot) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "a few query rows over a KV cache read in place (CPU)");
   m.def("engine_name", &engine_name, "the products' engine for a dtype");
+  m.def("page_row_tables", &page_row_tables, "a page selection's page tables, one sequence per (head, row)");
 }

@@ -57,8 +57,9 @@ def decode_unavailable(q: Tensor, mode: str) -> str | None:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """What the decode kernel reads: blocks int32 (B * Hkv, max_blocks) and their counts, full bool (same shape),
-    mask bool (T, M, N) of the rows' allowed keys (T in {1, B, B * Hkv}; M = q_len, or G * q_len rows)."""
+    """What the decode kernel reads: blocks int32 (B * Hkv, max_blocks) and their counts, full bool (same shape), or
+    blocks and full of one row that every list shares (a page table's entries in order); mask bool (T, M, N) of the
+    rows' allowed keys (T in {1, B, B * Hkv}; M = q_len, or G * q_len rows)."""
 
     blocks: Tensor
     counts: Tensor

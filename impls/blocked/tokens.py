@@ -195,9 +195,8 @@ def token_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v:
     lists = lists.permute(0, 2, 1, 3).reshape(-1, width).to(torch.int32).contiguous()
     heads_base = (torch.arange(b)[:, None] * hkv + torch.arange(hkv)[None, :]) * n * d  # (B, Hkv): element offsets
     key_base = heads_base[:, None, :].expand(b, nq, hkv).reshape(-1).contiguous()  # (B * nq * Hkv,)
-    unused = torch.zeros(b * nq * hkv, 1, dtype=torch.int32)  # the plan's blocks: not read with key_rows
-    plan = DecodePlan(unused, counts, torch.ones(b * nq * hkv, 1, dtype=torch.bool),
-                      torch.ones(1, 1, 1, dtype=torch.bool), 1)
+    unused = torch.zeros(1, 1, dtype=torch.int32)  # the plan's blocks, one row all lists share: not read with key_rows
+    plan = DecodePlan(unused, counts, torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 1, 1, dtype=torch.bool), 1)
     q_rows = q.permute(0, 2, 1, 3).reshape(b * nq, h, 1, d)  # a sequence per row: its H heads, one query row
     k_seq, v_seq = (t.contiguous() for t in (k, v))
     out, lse = decode_attention(plan, q_rows, k_seq, v_seq, scale, key_rows=(lists, key_base))
