@@ -41,6 +41,22 @@ def test_the_decode_path_matches_the_oracle(pattern, nq, dtype):
     assert float((out.double() - ref).norm() / ref.norm()) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nq", [1, 2])
+@pytest.mark.parametrize("pattern", ["causal", "block_random", "sink"])
+def test_a_long_contiguous_list_streams_over_several_steps_and_splits(pattern, nq, dtype):
+    """A KV head of 4 or 8 query rows over 5000 keys: the contiguous cache's steps of up to 1024 keys (decode.cpp,
+    Stepping::stream), a partial last step, partial blocks inside a step, and one sequence's keys split over the
+    threads (B1, one KV head)."""
+    q, k, v = _qkv(dtype, b=1, h=4, hkv=1, nq=nq, n=5000, seed=1)
+    p = make_pattern(pattern, 5000, q_len=nq, **PATTERNS[pattern])
+    impl = get("blocked")
+    out = impl.prepare(api.case_for(q, p, "fwd", k), p, q, k, v)()
+    assert impl.record_extras()["path"] == "decode"
+    ref = reference_attention(q, k, v, p)
+    assert float((out.double() - ref).norm() / ref.norm()) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_documents_and_an_empty_row_in_decode():
     q, k, v = _qkv(torch.float32, nq=4, n=300)
     p = make_pattern("causal_local", 300, q_len=4, window=2, documents=[150, 149, 1])
