@@ -501,7 +501,7 @@ void lane_step(const Lane<Q>& lane, int64_t g0, const Stepping& step, int64_t ro
 // that the reads of one product overlap the arithmetic of the other. Scoring and summing each alone reached the
 // read bandwidth, one after the other they did not: at 32K keys (32 on 8 KV heads, D128, bf16, 2-core EPYC, two
 // threads) the kernel with both prefetched a step of 64 keys ahead took 8.1-9.5 ms, longer than scoring alone and
-// summing alone together (7.6 ms); streamed in steps of 512-1024 keys, 6.3-6.5 ms.
+// summing alone together (6.0-7.6 ms); streamed in steps of 1024 keys it was 1.25x faster (interleaved).
 // s and p: scratch of rows * step.keys() scores and probabilities.
 template <typename T, typename E, typename Q>
 void attend_lanes(const std::vector<Lane<Q>>& lanes, const Stepping& step, int64_t rows, const T* k, const T* v,
@@ -562,8 +562,9 @@ void combine(const Partial* parts, int64_t splits, int64_t rows, int64_t d, T* o
 
 // q (B, Hkv, R, D) with R = G * q_len rows per KV head; contiguous k, v (B, Hkv, N, D), or paged k, v (P, Hkv,
 // page, D) with page_table int32 (B, max_pages) and bs = page; blocks int32 (B * Hkv, max_blocks) and their
-// count (B * Hkv,), full bool (B * Hkv, max_blocks), or both of 1 row that every list shares; mask bool (T, M, N) with T in {1, B, B * Hkv} and M = R or
-// q_len (the rows of one query head, shared by the G heads: mask row = r % M, as q row r = gi * q_len + t);
+// count (B * Hkv,), full bool (B * Hkv, max_blocks), or blocks and full of 1 row that every list shares; mask bool
+// (T, M, N) with T in {1, B, B * Hkv} and M = R or q_len (the rows of one query head, shared by the G heads: mask
+// row = r % M, as q row r = gi * q_len + t);
 // lens int32 (B,) keys per sequence. splits >= 1. bf16_dot: bfloat16 products on AVX512-BF16 (the caller checked
 // the CPU has it). Returns (out (B, Hkv, R, D) in q's dtype, lse (B, Hkv, R) float32).
 std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
