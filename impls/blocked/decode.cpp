@@ -442,13 +442,27 @@ struct Lane {
   bool quads;
 };
 
-// A group's rows of K or V (`base`) prefetched into L2.
-template <typename T>
+// A load whose value is not used: its address translated and its line brought in.
+inline void touch(const void* p) {
+  const volatile char sink = *static_cast<const volatile char*>(p);
+  (void)sink;
+}
+
+// A group's rows of K or V (`base`) prefetched into L2. A group of rows lies in one or two 4 KB pages of its own
+// (a page of 16 rows of 256 bytes; a contiguous cache's rows 16 at a time), whose translation is seldom in the TLB:
+// the prefetches alone did nothing measurable (removing them left the paged call's time as it was), and one load
+// of the group's first byte ahead of them, which walks the page table where a prefetch does not, made the paged
+// call 1.5x faster and the contiguous one up to 1.2x (32K keys, 32 on 8 KV heads, 2-core EPYC, interleaved). A
+// load of its last byte as well was slower; gathered rows (one load each) too; and where rows read the same pages
+// one after the other (Quest's page rows) the pages are at hand and the loads cost 11% (TOUCH false: the caller's
+// pages_reread). A template parameter: tested at run time inside the loop, it slowed Quest's rows by 10%.
+template <bool TOUCH, typename T>
 inline void prefetch_group(const Group& g, const T* base, int64_t d) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   if (g.rows != nullptr) {  // gathered: each key row where it lies
     for (int64_t t = 0; t < g.valid; ++t) prefetch_rows(base + key_row(g, t, d), 1, row_bytes, 1);
   } else {
+    if constexpr (TOUCH) touch(base + g.off);
     prefetch_rows(base + g.off, g.valid, row_bytes, 1);
   }
 }
@@ -459,20 +473,21 @@ inline void prefetch_group(const Group& g, const T* base, int64_t d) {
 struct Stepping {
   int64_t groups;
   bool stream;
+  bool touch;  // a load of each group's first byte ahead of its prefetch (prefetch_group)
   int64_t keys() const { return groups * GK; }
 };
 
 // One softmax step of a lane (groups [g0, g0 + step.groups)): the R rows' scores (scaled, masked), a softmax step
 // per row, the value rows streamed once through the engine's P V. Streamed: `next` and `next_g0` the lane and
 // first group of the step after this one (null: none).
-template <typename T, typename E, typename Q>
+template <typename T, typename E, bool TOUCH, typename Q>
 void lane_step(const Lane<Q>& lane, int64_t g0, const Stepping& step, int64_t rows, const T* k, const T* v, int64_t d,
                float scale, float* s, typename E::P* p, const Lane<Q>* next, int64_t next_g0) {
   const int64_t ng = static_cast<int64_t>(lane.groups.size()), nc = std::min(step.groups, ng - g0);
   const int64_t lds = step.keys();
   Partial& part = *lane.part;
   for (int64_t gi = 0; gi < nc; ++gi) {
-    if (step.stream) prefetch_group(lane.groups[g0 + gi], v, d);
+    if (step.stream) prefetch_group<TOUCH>(lane.groups[g0 + gi], v, d);
     E::qk(lane.q, rows, k, lane.groups[g0 + gi], d, scale, lane.mr, s + gi * GK, lds, lane.quads);
   }
   bool any = false;
@@ -485,7 +500,7 @@ void lane_step(const Lane<Q>& lane, int64_t g0, const Stepping& step, int64_t ro
   // the next step's key rows requested a group at a time between this step's groups of values
   const int64_t next_ng = next != nullptr ? static_cast<int64_t>(next->groups.size()) : 0;
   for (int64_t gi = 0; gi < std::max(nc, std::min(step.groups, next_ng - next_g0)); ++gi) {
-    if (next_g0 + gi < next_ng) prefetch_group(next->groups[next_g0 + gi], k, d);
+    if (next_g0 + gi < next_ng) prefetch_group<TOUCH>(next->groups[next_g0 + gi], k, d);
     if (any && gi < nc) E::pv(p + gi * GK, lds, rows, v, lane.groups.data() + g0 + gi, 1, d, part.o.data());
   }
 }
@@ -503,7 +518,7 @@ void lane_step(const Lane<Q>& lane, int64_t g0, const Stepping& step, int64_t ro
 // threads) the kernel with both prefetched a step of 64 keys ahead took 8.1-9.5 ms, longer than scoring alone and
 // summing alone together (6.0-7.6 ms); streamed in steps of 1024 keys it was 1.25x faster (interleaved).
 // s and p: scratch of rows * step.keys() scores and probabilities.
-template <typename T, typename E, typename Q>
+template <typename T, typename E, bool TOUCH, typename Q>
 void attend_lanes(const std::vector<Lane<Q>>& lanes, const Stepping& step, int64_t rows, const T* k, const T* v,
                   int64_t d, float scale, float* s, typename E::P* p) {
   const int64_t nl = static_cast<int64_t>(lanes.size());
@@ -512,20 +527,20 @@ void attend_lanes(const std::vector<Lane<Q>>& lanes, const Stepping& step, int64
   steps = (steps + step.groups - 1) / step.groups;
   if (step.stream && steps > 0)
     for (int64_t gi = 0; gi < std::min<int64_t>(step.groups, lanes[0].groups.size()); ++gi)
-      prefetch_group(lanes[0].groups[gi], k, d);
+      prefetch_group<TOUCH>(lanes[0].groups[gi], k, d);
   for (int64_t unit = 0; unit < steps * nl; ++unit) {
     const int64_t next = unit + 1, next_g0 = (next / nl) * step.groups;
     const Lane<Q>* next_lane = next < steps * nl ? &lanes[next % nl] : nullptr;
     if (!step.stream && next_lane != nullptr) {
       for (int64_t i = next_g0; i < std::min<int64_t>(next_lane->groups.size(), next_g0 + step.groups); ++i) {
-        prefetch_group(next_lane->groups[i], k, d);
-        prefetch_group(next_lane->groups[i], v, d);
+        prefetch_group<TOUCH>(next_lane->groups[i], k, d);
+        prefetch_group<TOUCH>(next_lane->groups[i], v, d);
       }
     }
     const Lane<Q>& lane = lanes[unit % nl];
     const int64_t g0 = (unit / nl) * step.groups;
     if (g0 < static_cast<int64_t>(lane.groups.size()))
-      lane_step<T, E>(lane, g0, step, rows, k, v, d, scale, s, p, next_lane, next_g0);
+      lane_step<T, E, TOUCH>(lane, g0, step, rows, k, v, d, scale, s, p, next_lane, next_g0);
   }
   for (const auto& lane : lanes) E::finish(lane.part->o.data(), rows, d);
 }
@@ -566,13 +581,15 @@ void combine(const Partial* parts, int64_t splits, int64_t rows, int64_t d, T* o
 // (T, M, N) with T in {1, B, B * Hkv} and M = R or q_len (the rows of one query head, shared by the G heads: mask
 // row = r % M, as q row r = gi * q_len + t);
 // lens int32 (B,) keys per sequence. splits >= 1. bf16_dot: bfloat16 products on AVX512-BF16 (the caller checked
-// the CPU has it). Returns (out (B, Hkv, R, D) in q's dtype, lse (B, Hkv, R) float32).
+// the CPU has it). touch_pages: a load of each group's first byte ahead of its prefetch (prefetch_group). Returns
+// (out (B, Hkv, R, D) in q's dtype, lse (B, Hkv, R) float32).
 std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                             const torch::Tensor& page_table, const torch::Tensor& blocks,
                                             const torch::Tensor& counts, const torch::Tensor& full,
                                             const torch::Tensor& mask, const torch::Tensor& lens, int64_t bs,
                                             double scale, int64_t splits, bool bf16_dot,
-                                            const torch::Tensor& key_rows, const torch::Tensor& key_base) {
+                                            const torch::Tensor& key_rows, const torch::Tensor& key_base,
+                                            bool touch_pages) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
               "q (B, Hkv, R, D); k, v contiguous, one shape");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -625,7 +642,8 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
     const int64_t units = tasks / per_task, slots = std::min<int64_t>(at::get_num_threads(), units);
     const int64_t chunk = std::max<int64_t>(1, units / (std::max<int64_t>(slots, 1) * 64));
     const bool stream = !paged && !gathered && rows <= STREAM_MAX_ROWS;
-    const Stepping step = stream ? Stepping{stream_step_groups(rows), true} : Stepping{STEP_GROUPS, false};
+    const Stepping step = stream ? Stepping{stream_step_groups(rows), true, touch_pages}
+                                 : Stepping{STEP_GROUPS, false, touch_pages};
     std::atomic<int64_t> next_task{0};
     at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
       if (slot_begin >= slot_end) return;
@@ -662,7 +680,11 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
             ln.part = &part;
             ln.quads = paged || gathered;
           }
-          attend_lanes<T, E>(lanes, step, rows, kp, vp, d, static_cast<float>(scale), s.data(), p.data());
+          if (step.touch) {
+            attend_lanes<T, E, true>(lanes, step, rows, kp, vp, d, static_cast<float>(scale), s.data(), p.data());
+          } else {
+            attend_lanes<T, E, false>(lanes, step, rows, kp, vp, d, static_cast<float>(scale), s.data(), p.data());
+          }
           if (direct) {
             for (int64_t lane = 0; lane < per_task; ++lane) {
               const int64_t bh = paged ? task * hkv + lane : task;

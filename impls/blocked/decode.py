@@ -112,12 +112,15 @@ def splits_for(lists: int, max_blocks: int) -> int:
 
 def decode_attention(plan: DecodePlan, q: Tensor, k: Tensor, v: Tensor, scale: float,
                      page_table: Tensor | None = None, lens: Tensor | None = None,
-                     key_rows: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                     key_rows: tuple[Tensor, Tensor] | None = None, pages_reread: bool = False
+                     ) -> tuple[Tensor, Tensor]:
     """q (B, H, q_len, D); k, v contiguous (B, Hkv, N, D) or a pool of pages (P, Hkv, page, D) with page_table
     (B, max_pages) -> (out (B, H, q_len, D), lse (B, H, q_len) float32). `key_rows` (rows int32 (B * Hkv or B,
     max_keys), base int64 (B * Hkv,)): instead of the plan's blocks, (sequence, KV head) bh reads the plan's
     counts[bh] keys, rows[list][t] of k and v counted from element base[bh], all allowed (a token selection;
-    impls/blocked/tokens.py); a list per (sequence, KV head), or per sequence for all its KV heads."""
+    impls/blocked/tokens.py); a list per (sequence, KV head), or per sequence for all its KV heads.
+    `pages_reread`: sequences read the same pages one after the other (Quest's page rows), which are then in cache
+    with their translations: no load of each group's first byte ahead of its prefetch (decode.cpp, prefetch_group)."""
     module = decode_module()
     assert module is not None, "decode_attention needs the built kernel (see decode_unavailable)"
     b, h, nq, d = q.shape
@@ -130,7 +133,8 @@ def decode_attention(plan: DecodePlan, q: Tensor, k: Tensor, v: Tensor, scale: f
     splits = splits_for(b if page_table is not None else b * hkv, plan.blocks.shape[1])
     out, lse = module.decode_attention(rows.contiguous(), k, v, table, plan.blocks, plan.counts, plan.full,
                                        plan.mask, lens.to(torch.int32), plan.block, scale, splits,
-                                       _bf16_dot(q.dtype), *(key_rows if key_rows is not None else _NO_ROWS))
+                                       _bf16_dot(q.dtype), *(key_rows if key_rows is not None else _NO_ROWS),
+                                       not pages_reread)
     return out.view(b, h, nq, d), lse.view(b, h, nq)
 
 

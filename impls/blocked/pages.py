@@ -63,7 +63,8 @@ def page_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: 
                       torch.ones(1, 1, 1, dtype=torch.bool), page)
     # The pool: k viewed as (B * Hkv * pages, 1, page, D), nothing copied where k is contiguous.
     pool_k, pool_v = (t.contiguous().view(b * hkv * pages, 1, page, d) for t in (k, v))
-    out, lse = decode_attention(plan, q.reshape(b * h * nq, 1, 1, d), pool_k, pool_v, scale, page_table, lens)
+    out, lse = decode_attention(plan, q.reshape(b * h * nq, 1, 1, d), pool_k, pool_v, scale, page_table, lens,
+                                pages_reread=True)
     return out.view(b, h, nq, d), lse.view(b, h, nq)
 
 
