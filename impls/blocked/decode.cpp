@@ -452,7 +452,7 @@ inline void touch(const void* p) {
 // (a page of 16 rows of 256 bytes; a contiguous cache's rows 16 at a time), whose translation is seldom in the TLB:
 // the prefetches alone did nothing measurable (removing them left the paged call's time as it was), and one load
 // of the group's first byte ahead of them, which walks the page table where a prefetch does not, made the paged
-// call 1.5x faster and the contiguous one up to 1.2x (32K keys, 32 on 8 KV heads, 2-core EPYC, interleaved). A
+// call 1.5x faster and the contiguous one 1.1x (32K keys, 32 on 8 KV heads, 2-core EPYC, interleaved). A
 // load of its last byte as well was slower; gathered rows (one load each) too; and where rows read the same pages
 // one after the other (Quest's page rows) the pages are at hand and the loads cost 11% (TOUCH false: the caller's
 // pages_reread). A template parameter: tested at run time inside the loop, it slowed Quest's rows by 10%.
@@ -473,7 +473,6 @@ inline void prefetch_group(const Group& g, const T* base, int64_t d) {
 struct Stepping {
   int64_t groups;
   bool stream;
-  bool touch;  // a load of each group's first byte ahead of its prefetch (prefetch_group)
   int64_t keys() const { return groups * GK; }
 };
 
@@ -642,8 +641,7 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
     const int64_t units = tasks / per_task, slots = std::min<int64_t>(at::get_num_threads(), units);
     const int64_t chunk = std::max<int64_t>(1, units / (std::max<int64_t>(slots, 1) * 64));
     const bool stream = !paged && !gathered && rows <= STREAM_MAX_ROWS;
-    const Stepping step = stream ? Stepping{stream_step_groups(rows), true, touch_pages}
-                                 : Stepping{STEP_GROUPS, false, touch_pages};
+    const Stepping step = stream ? Stepping{stream_step_groups(rows), true} : Stepping{STEP_GROUPS, false};
     std::atomic<int64_t> next_task{0};
     at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
       if (slot_begin >= slot_end) return;
@@ -680,7 +678,7 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
             ln.part = &part;
             ln.quads = paged || gathered;
           }
-          if (step.touch) {
+          if (touch_pages) {
             attend_lanes<T, E, true>(lanes, step, rows, kp, vp, d, static_cast<float>(scale), s.data(), p.data());
           } else {
             attend_lanes<T, E, false>(lanes, step, rows, kp, vp, d, static_cast<float>(scale), s.data(), p.data());
