@@ -221,3 +221,95 @@ def test_the_kernels_own_vnni_pairs_are_the_layout_onednn_packs():
     packed_by_onednn = kernel.kernel_attention(table, grouped, k[0], v[0], 128**-0.5)
     packed_here = kernel.kernel_attention(table, grouped, k[0], v[0], 128**-0.5, own_pairs=True)
     assert torch.equal(packed_by_onednn, packed_here)
+
+
+def _dot_tiles_or_skip(block_size: int = 64, head_dim: int = 64) -> None:
+    if kernel.unavailable_reason(torch.zeros(1, 1, 16, head_dim, dtype=torch.bfloat16), block_size) is not None:
+        pytest.skip("the kernel does not take bfloat16 here")
+    if kernel.kernel_products(torch.bfloat16, block_size, head_dim, False) != "dot_tiles":
+        pytest.skip("the dot tiles run on AVX512-BF16 without AMX only; oneDNN's GEMMs run here")
+
+
+def _both_products(q, k, v, kv_index, kv_count, mask_slot, masks, bs, heads_per_kv=1, row_bits=None, tile_rows=0):
+    """block_attention's (out, lse) through the dot tiles and through oneDNN's GEMMs, on the same operands."""
+    module = kernel.kernel_module()
+    bits = row_bits if row_bits is not None else torch.empty(0, dtype=torch.int64)
+    return [module.block_attention(q, k, v, kv_index, kv_count, mask_slot, masks, q.shape[-1] ** -0.5, bs, False,
+                                   heads_per_kv, bits, tile_rows, 0.0, torch.empty(0), 0, dot)
+            for dot in (True, False)]
+
+
+PREFILL_CASES = [c for c in CASES if make_pattern(c[0], c[1], **c[2]).q_len > DECODE_ROWS]
+
+
+@pytest.mark.parametrize("name, n, fields, heads, kv_heads, head_dim", PREFILL_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(PREFILL_CASES)])
+def test_the_dot_tiles_give_what_onednns_gemms_give(name, n, fields, heads, kv_heads, head_dim):
+    # Each register tile computes only the 16-key vectors one of its 8 rows may see: a vector skipped that a row
+    # needed, a row's mask applied to another's, or a ragged block read past N would move these outputs.
+    _dot_tiles_or_skip(fields["block_size"], head_dim)
+    pattern = make_pattern(name, n, **fields)
+    q, k, v = _inputs(pattern, heads, kv_heads, head_dim, torch.bfloat16)
+    table = kernel.block_table(pattern, fields["block_size"])
+    grouped = q[0].reshape(kv_heads, heads // kv_heads, pattern.q_len, head_dim)
+    (dot, dot_lse), (gemm, gemm_lse) = _both_products(grouped, k[0], v[0], table.kv_index[None],
+                                                      table.kv_count[None], table.mask_slot[None], table.masks,
+                                                      fields["block_size"])
+    torch.testing.assert_close(dot.float(), gemm.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dot_lse, gemm_lse, rtol=1e-3, atol=1e-3)
+    extras = _inference(pattern, q, k, v)[1]
+    assert extras["products"] == "dot_tiles" and extras["path"] == "kernel"
+
+
+@pytest.mark.parametrize("tile_rows, heads_per_kv", [(16, 1), (8, 2), (64, 1)])
+def test_the_dot_tiles_keep_each_rows_own_selection(tile_rows, heads_per_kv):
+    # A selection per query row (row_bits): rows of one tile keep different blocks, rows that keep none of a
+    # chunk's blocks, tiles smaller than the block, the query heads of a KV head in one task.
+    _dot_tiles_or_skip()
+    bs, n, kv_heads, d = 64, 448, 2, 64
+    heads = kv_heads * heads_per_kv
+    pattern = make_pattern("causal", n, block_size=bs)
+    table = kernel.block_table(pattern, bs)
+    tiles = n // tile_rows
+    base = torch.arange(tiles) * tile_rows // bs  # each tile's base query block
+    gen = torch.Generator().manual_seed(5)
+    kv_index = table.kv_index[base].expand(heads, -1, -1).contiguous()
+    mask_slot = table.mask_slot[base].expand(heads, -1, -1).contiguous()
+    kv_count = table.kv_count[base].expand(heads, -1).contiguous()
+    row_bits = torch.randint(0, 2**62, kv_index.shape, generator=gen, dtype=torch.int64)
+    row_bits[:, :, 0] = 0  # no row keeps the first block
+    q = torch.randn(heads, 1, n, d, generator=gen).bfloat16()
+    k, v = (torch.randn(kv_heads, n, d, generator=gen).bfloat16() for _ in range(2))
+    (dot, dot_lse), (gemm, gemm_lse) = _both_products(q, k, v, kv_index, kv_count, mask_slot, table.masks, bs,
+                                                      heads_per_kv, row_bits, tile_rows)
+    torch.testing.assert_close(dot.float(), gemm.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dot_lse, gemm_lse, rtol=1e-3, atol=1e-3)
+    assert torch.isinf(dot_lse).any() and torch.isfinite(dot_lse).any()  # rows with and without a kept key
+
+
+@pytest.mark.parametrize("name, n, fields, group", [
+    ("local", 4096, dict(window=256), 1),
+    ("causal_local", 1000, dict(window=300), 4),  # a last query block of 40 rows: a group of 8 spans two heads
+    ("dilated", 384, dict(window=96, dilation=3), 2),
+])
+def test_the_dot_tiles_computed_pairs_count_what_each_group_of_rows_computes(name, n, fields, group):
+    pattern = make_pattern(name, n, block_size=64, **fields)
+    table = kernel.block_table(pattern, 64)
+    allowed = pattern.dense_mask()
+    expected = 0  # each task's rows, 8 at a time: per listed block, the 16-key vectors one of them may see
+    for qb in range(table.kv_index.shape[0]):
+        rows = min(64, n - qb * 64)
+        task = [qb * 64 + i % rows for i in range(group * rows)]
+        for r0 in range(0, len(task), kernel.DOT_ROWS):
+            for j in table.kv_index[qb, :table.kv_count[qb]].tolist():
+                seen = allowed[task[r0:r0 + kernel.DOT_ROWS], j * 64:(j + 1) * 64].any(0)
+                if table.mask_slot[qb, table.kv_index[qb].tolist().index(j)] < 0:
+                    seen[:min(64, n - j * 64)] = True  # a full block: every key to N
+                vectors = seen[:len(seen) // 16 * 16].reshape(-1, 16).any(-1).nonzero().flatten()
+                if len(seen) % 16:
+                    vectors = torch.cat([vectors, torch.tensor([len(seen) // 16])]) if seen[-(len(seen) % 16):].any() \
+                        else vectors
+                if vectors.numel():
+                    expected += (int(vectors.max()) + 1 - int(vectors.min())) * 16 * len(task[r0:r0 + kernel.DOT_ROWS])
+    assert table.dot_tile_pairs(n, n, group) * group == expected
+    assert pattern.nnz <= table.dot_tile_pairs(n, n, group) <= table.computed_pairs

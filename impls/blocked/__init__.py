@@ -40,6 +40,7 @@ from impls.blocked.kernel import (
     kernel_attention,
     kernel_attention_tables,
     kernel_module,
+    kernel_products,
     kernel_score_mod,
     kernel_wanted,
     unavailable_reason,
@@ -106,11 +107,16 @@ class Blocked(Impl):
                     fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
         shown = table if table is not None else fused if fused is not None else plan
+        products = kernel_products(q.dtype, case.block_size, d, mod is not None) if table is not None else None
+        computed = table.dot_tile_pairs(nq, n, group) if table is not None and products == "dot_tiles" \
+            else shown.computed_pairs
         self._extras = {"path": "band_fused" if shown is fused else shown.path, "gemm": gemm_engine(q.dtype),
                         "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
-                        "group_size": group, "computed_pairs_per_head": shown.computed_pairs,
-                        "computed_over_allowed": shown.computed_pairs / max(1, pattern.nnz)}
+                        "group_size": group, "computed_pairs_per_head": computed,
+                        "computed_over_allowed": computed / max(1, pattern.nnz)}
+        if products is not None:
+            self._extras["products"] = products
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
             if mod is not None:
@@ -211,7 +217,9 @@ class Blocked(Impl):
             slot, masks = base_slots(pattern, bs)
         self._extras = {"path": "kernel_selected" if kernel_missing is None else "gather_selected",
                         "gemm": gemm_engine(q.dtype), "block_size": bs, "group_size": group}
-        if kernel_missing is not None:
+        if kernel_missing is None:
+            self._extras["products"] = kernel_products(q.dtype, bs, d, False)
+        else:
             self._extras["kernel_unavailable"] = kernel_missing
 
         def attend(selection):

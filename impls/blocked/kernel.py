@@ -148,7 +148,8 @@ def unavailable_reason(q: Tensor, block_size: int) -> str | None:
 
 def gemm_engine(dtype: torch.dtype) -> str:
     """The instructions this machine's GEMMs run for `dtype` (the record's config.gemm, in prefill and over
-    selections, the kernel's and the torch steps' alike: both go through oneDNN): amx_bf16 (AMX tiles),
+    selections, the kernel's and the torch steps' alike; `kernel_products` says whether the kernel's ran through
+    oneDNN or its own tiles): amx_bf16 (AMX tiles),
     avx512_bf16 (AVX512-BF16 dot products), emulated (16-bit products without either), or fp32 at torch's CPU
     capability (e.g. fp32_avx512)."""
     if dtype not in (torch.bfloat16, torch.float16):
@@ -163,6 +164,16 @@ def gemm_engine(dtype: torch.dtype) -> str:
     return "emulated"
 
 
+def kernel_products(dtype: torch.dtype, block_size: int, head_dim: int, modified: bool) -> str:
+    """Which code runs the CPU kernel's two products (the record's config.products on the kernel path):
+    dot_tiles (the kernel's own AVX512-BF16 register tiles, row groups through the whole softmax: bfloat16 without
+    AMX, blocks and heads of whole 16-column vectors, no score modification) or onednn_brgemm."""
+    module = kernel_module()
+    taken = module is not None and module.dot_products(dtype, block_size, head_dim, modified,
+                                                       has_bf16_dot_products())
+    return "dot_tiles" if taken else "onednn_brgemm"
+
+
 def has_bf16_dot_products() -> bool:
     """AVX512-BF16 (Zen 4, Cooper Lake and later): oneDNN's batch-reduce GEMM runs bfloat16 on its dot-product
     instruction, on B operands this module packs itself."""
@@ -170,6 +181,9 @@ def has_bf16_dot_products() -> bool:
         return False
     features = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
     return bool(features.get("avx512_bf16", False))
+
+
+DOT_ROWS = 8  # query rows per register tile of the kernel's dot tiles (kernel.cpp, DOT_ROWS)
 
 
 @dataclass(frozen=True)
@@ -188,6 +202,32 @@ class BlockTable:
     def computed_pairs(self) -> int:
         """(query, key) products per query head: every listed block whole."""
         return int(self.kv_count.sum()) * self.block * self.block
+
+    def dot_tile_pairs(self, q_len: int, seq_len: int, group: int) -> int:
+        """(query, key) products per query head through the dot tiles (`kernel_products` "dot_tiles"): a task
+        holds the `group` query heads' rows of a query block one after the other, and each DOT_ROWS of those rows
+        compute a listed block over the 16-key vectors that hold a key one of them may see (kernel.cpp, dot_rows)."""
+        bs, nqb = self.block, self.kv_index.shape[0]
+        listed = torch.arange(self.kv_index.shape[1]) < self.kv_count[:, None]
+        valid = (seq_len - self.kv_index.long() * bs).clamp(max=bs)  # keys in each listed block
+        rows = (q_len - torch.arange(nqb) * bs).clamp(0, bs)  # query rows of each query block, per head
+        full = listed & (self.mask_slot < 0)
+        pairs = int(((valid + 15) // 16 * 16 * rows[:, None])[full].sum()) * group
+        qb, entry = torch.nonzero(listed & (self.mask_slot >= 0), as_tuple=True)  # the partial blocks listed
+        if qb.numel():
+            keys = torch.arange(bs)
+            allowed = self.masks[self.mask_slot[qb, entry].long()]
+            lo = torch.where(allowed, keys, bs).amin(-1)  # (E, bs): each mask row's keys [lo, hi), cut at N
+            hi = torch.minimum(torch.where(allowed, keys + 1, 0).amax(-1), valid[qb, entry][:, None])
+            lo = torch.where(lo < hi, lo, bs)
+            task_rows = torch.arange(group * bs)  # row i of the task: head i // rows, row i % rows of the block
+            t = task_rows % rows[qb][:, None].clamp(min=1)
+            real = task_rows < group * rows[qb][:, None]
+            lo = torch.where(real, lo.gather(1, t), bs).reshape(len(qb), -1, DOT_ROWS)
+            hi = torch.where(real, hi.gather(1, t), 0).reshape(len(qb), -1, DOT_ROWS)
+            width = ((hi.amax(-1) + 15) // 16 * 16).clamp(max=bs) - lo.amin(-1) // 16 * 16
+            pairs += int((width.clamp(min=0) * real.reshape(len(qb), -1, DOT_ROWS).sum(-1)).sum())
+        return pairs // group
 
 
 def block_table(pattern, bs: int) -> BlockTable:
@@ -233,7 +273,8 @@ def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: 
     out, _ = module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index[None],
                                     table.kv_count[None], table.mask_slot[None], table.masks, scale, table.block,
                                     own_pairs, 1, _NO_BITS, 0, mod.softcap,
-                                    _NO_BIAS if mod.dist_bias is None else mod.dist_bias, mod.q_offset)
+                                    _NO_BIAS if mod.dist_bias is None else mod.dist_bias, mod.q_offset,
+                                    has_bf16_dot_products())
     return out
 
 
@@ -264,4 +305,5 @@ def kernel_attention_tables(tables: HeadTables, q: Tensor, k: Tensor, v: Tensor,
     assert module is not None, "kernel_attention_tables needs the built kernel (see unavailable_reason)"
     return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), tables.kv_index, tables.kv_count,
                                   tables.mask_slot, tables.masks, scale, tables.block, False, heads_per_kv,
-                                  tables.row_bits, tables.tile_rows, _NO_MOD.softcap, _NO_BIAS, _NO_MOD.q_offset)
+                                  tables.row_bits, tables.tile_rows, _NO_MOD.softcap, _NO_BIAS, _NO_MOD.q_offset,
+                                  has_bf16_dot_products())
