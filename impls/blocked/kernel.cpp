@@ -7,10 +7,11 @@
 // O += P V_j. Keys and values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI
 // pairs in 16-bit dtypes; float32 values are read in place), one pass; no key block is copied per query block, no
 // score leaves the thread's buffers. bfloat16 on a CPU with AVX512-BF16 but without AMX takes its own dot-product
-// tiles instead of oneDNN's GEMMs (dot_rows): DOT_ROWS rows at a time through the whole softmax, each block computed
-// only over the 16-key vectors one of those rows may see. Rows without an allowed key come out zero. A score modification (softcap's tanh, or an
-// additive bias by head and distance: ALiBi, T5's relative bias) is applied to the scaled score tile in the
-// inner loop, before the masks, and the softmax then reads the modified scores as they are.
+// tiles instead of oneDNN's GEMMs (dot_rows): DOT_ROWS rows at a time through the whole softmax, each block
+// computed only over the 16-key vectors one of those rows may see. Rows without an allowed key come out zero. A
+// score modification (softcap's tanh, or an additive bias by head and distance: ALiBi, T5's relative bias) is
+// applied to the scaled score tile in the inner loop, before the masks, and the softmax then reads the modified
+// scores as they are (through oneDNN's GEMMs: the dot tiles take no modification).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -22,6 +23,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -531,14 +533,21 @@ BF16_TARGET void dot_rows(const DotTask& task, const DotMasks& masks, int64_t r0
 template <typename T>
 void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
-            const int32_t* mask_slot, const uint64_t* mask_bits, int64_t mask_words, float scale, int64_t tables, int64_t heads_per_kv,
+            const int32_t* mask_slot, const uint64_t* mask_bits, int64_t mask_words, float scale, int64_t tables,
+            int64_t heads_per_kv,
             const int64_t* row_bits, float* lse, int64_t tm, float softcap, const float* dist_bias,
             int64_t bias_heads, int64_t q_offset, bool dot, const int32_t* mask_extent) {
   const bool modified = softcap > 0.f || dist_bias != nullptr;
   const float score_scale = modified ? 1.f : scale;  // modified scores are scaled already
   const int64_t nqb = (nq + tm - 1) / tm, nkb = (n + bs - 1) / bs;  // nqb: query tiles of tm rows
   const int64_t width = CHUNK * bs;
-  at::parallel_for(0, heads * nqb, 1, [&](int64_t begin, int64_t end) {
+  // The threads take chunks of tasks from a shared counter (a 64th of a thread's share): one that a neighbour's
+  // process slows takes fewer, and a selection's costlier tiles are not all one thread's.
+  const int64_t tasks = heads * nqb, slots = std::min<int64_t>(at::get_num_threads(), tasks);
+  const int64_t chunk = std::max<int64_t>(1, tasks / (std::max<int64_t>(slots, 1) * 64));
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
+    if (slot_begin >= slot_end) return;
     const int64_t max_m = g * bs;
     std::vector<T> qt(max_m * d), pt(kVnni<T> ? max_m * width : 0);
     std::vector<float> s(max_m * width), o(max_m * d), m(max_m), l(max_m);
@@ -546,91 +555,97 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
     std::vector<int32_t> span(dot ? 2 * CHUNK : 0);
     std::vector<PvSpan> pv(dot ? CHUNK : 0);
 #endif
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / nqb, r = task % nqb;
-      const int64_t kvh = h / heads_per_kv;  // the packed K/V head this task reads
-      const int64_t slot0 = ((tables == 1 ? 0 : h) * nqb + r) * max_kv;  // this task's table row
-      const int64_t rows = std::min(tm, nq - r * tm), mm = g * rows;
-      const int64_t mask_row = (r * tm) % bs;  // the tile's first row inside its base query block's masks
-      for (int64_t gi = 0; gi < g; ++gi)  // tile row gi * rows + t = query head gi's row r*tm + t
-        std::memcpy(qt.data() + gi * rows * d, q + ((h * g + gi) * nq + r * tm) * d, rows * d * sizeof(T));
-      std::fill(o.begin(), o.begin() + mm * d, 0.f);
-      std::fill(m.begin(), m.begin() + mm, NEG_INF);
-      std::fill(l.begin(), l.begin() + mm, 0.f);
-      const int64_t count = kv_count[(tables == 1 ? 0 : h) * nqb + r];
-#if defined(CPU_CAPABILITY_AVX512)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (dot) {
-          const DotTask tile{reinterpret_cast<const uint32_t*>(qt.data()), kp + kvh * nkb * d * bs,
-                             vp + kvh * nkb * bs * d, kv_index + slot0, mask_slot + slot0,
-                             row_bits == nullptr ? nullptr : row_bits + slot0, count, rows, mask_row};
-          const DotMasks dm{mask_bits, mask_words, mask_extent};
-          for (int64_t r0 = 0; r0 < mm; r0 += DOT_ROWS)
-            dot_rows(tile, dm, r0, std::min<int64_t>(DOT_ROWS, mm - r0), n, d, bs, scale, s.data(),
-                     reinterpret_cast<uint16_t*>(pt.data()), span.data(), pv.data(), o.data() + r0 * d,
-                     m.data() + r0, l.data() + r0);
+    for (int64_t first = next_task.fetch_add(chunk); first < tasks; first = next_task.fetch_add(chunk)) {
+      for (int64_t task = first; task < std::min(tasks, first + chunk); ++task) {
+        const int64_t h = task / nqb, r = task % nqb;
+        const int64_t kvh = h / heads_per_kv;  // the packed K/V head this task reads
+        const int64_t slot0 = ((tables == 1 ? 0 : h) * nqb + r) * max_kv;  // this task's table row
+        const int64_t rows = std::min(tm, nq - r * tm), mm = g * rows;
+        const int64_t mask_row = (r * tm) % bs;  // the tile's first row inside its base query block's masks
+        // tile row gi * rows + t = query head gi's row r*tm + t: read where it lies when the G heads' rows are
+        // one run of q (one head, or all of q_len in one tile), else copied together
+        const bool in_place = g == 1 || rows == nq;
+        const T* tile_q = in_place ? q + (h * g * nq + r * tm) * d : qt.data();
+        for (int64_t gi = 0; gi < (in_place ? 0 : g); ++gi)
+          std::memcpy(qt.data() + gi * rows * d, q + ((h * g + gi) * nq + r * tm) * d, rows * d * sizeof(T));
+        std::fill(o.begin(), o.begin() + mm * d, 0.f);
+        std::fill(m.begin(), m.begin() + mm, NEG_INF);
+        std::fill(l.begin(), l.begin() + mm, 0.f);
+        const int64_t count = kv_count[(tables == 1 ? 0 : h) * nqb + r];
+  #if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (dot) {
+            const DotTask tile{reinterpret_cast<const uint32_t*>(tile_q), kp + kvh * nkb * d * bs,
+                               vp + kvh * nkb * bs * d, kv_index + slot0, mask_slot + slot0,
+                               row_bits == nullptr ? nullptr : row_bits + slot0, count, rows, mask_row};
+            const DotMasks dm{mask_bits, mask_words, mask_extent};
+            for (int64_t r0 = 0; r0 < mm; r0 += DOT_ROWS)
+              dot_rows(tile, dm, r0, std::min<int64_t>(DOT_ROWS, mm - r0), n, d, bs, scale, s.data(),
+                       reinterpret_cast<uint16_t*>(pt.data()), span.data(), pv.data(), o.data() + r0 * d,
+                       m.data() + r0, l.data() + r0);
+          }
         }
-      }
-#endif
-      for (int64_t c0 = 0; c0 < (dot ? 0 : count); c0 += CHUNK) {  // oneDNN's GEMMs
-        const int64_t nc = std::min(CHUNK, count - c0), cols = nc * bs;
-        for (int64_t c = 0; c < nc; ++c) {
-          const int64_t j = kv_index[slot0 + c0 + c];
-          gemm_b(mm, bs, d, d, width, false, qt.data(), kp + (kvh * nkb + j) * d * bs, s.data() + c * bs);
+  #endif
+        for (int64_t c0 = 0; c0 < (dot ? 0 : count); c0 += CHUNK) {  // oneDNN's GEMMs
+          const int64_t nc = std::min(CHUNK, count - c0), cols = nc * bs;
+          for (int64_t c = 0; c < nc; ++c) {
+            const int64_t j = kv_index[slot0 + c0 + c];
+            gemm_b(mm, bs, d, d, width, false, tile_q, kp + (kvh * nkb + j) * d * bs, s.data() + c * bs);
+          }
+          for (int64_t i = 0; i < mm; ++i) {
+            float* row = s.data() + i * width;
+            const int64_t t = i % rows;
+            // the bias row of this row's query head and position (entry for key 0)
+            const float* bias_row = dist_bias == nullptr ? nullptr :
+                dist_bias + ((h * g + i / rows) % bias_heads) * (2 * n - 1) + q_offset + r * tm + t + n - 1;
+            for (int64_t c = 0; c < nc; ++c) {
+              const int64_t slot = mask_slot[slot0 + c0 + c];
+              const int64_t j = kv_index[slot0 + c0 + c];
+              const int64_t valid = std::min(bs, n - j * bs);
+              float* block = row + c * bs;
+              if (modified)
+                modify_scores(block, valid, scale, softcap, bias_row == nullptr ? nullptr : bias_row - j * bs);
+              if (row_bits != nullptr && !((static_cast<uint64_t>(row_bits[slot0 + c0 + c]) >> t) & 1ULL)) {
+                std::fill(block, block + bs, NEG_INF);  // this row did not select the block
+                continue;
+              }
+              if (slot >= 0) {
+                apply_mask(block, mask_bits + (slot * bs + mask_row + t) * mask_words, bs);
+              }
+              for (int64_t x = valid; x < bs; ++x) block[x] = NEG_INF;
+            }
+            // raw scores: scale > 0, so the row's max of scale * s is scale * max(s)
+            const float mx = std::max(m[i], max_row(row, cols) * score_scale);
+            T* probs = kVnni<T> ? pt.data() + i * width : reinterpret_cast<T*>(row);
+            if (mx == NEG_INF) {  // nothing allowed yet: P = 0
+              std::fill(probs, probs + cols, T(0));
+            } else {
+              const float sum = exp_sum_row(row, probs, cols, score_scale, mx);
+              const float alpha = m[i] == NEG_INF ? 0.f : std::exp(m[i] - mx);
+              if (alpha != 1.f && c0 > 0) scale_row(o.data() + i * d, d, alpha);
+              l[i] = l[i] * alpha + sum;
+              m[i] = mx;
+            }
+          }
+          const T* p = kVnni<T> ? pt.data() : reinterpret_cast<const T*>(s.data());
+          for (int64_t c = 0; c < nc; ++c) {
+            const int64_t j = kv_index[slot0 + c0 + c];
+            if (values_in_place<T>(j, bs, n)) {
+              const T* vj = v + (kvh * n + j * bs) * d;
+              for (int64_t n0 = 0; n0 < d; n0 += NB)
+                brgemm(mm, std::min(NB, d - n0), bs, width, d, d, true, p + c * bs, vj + n0, o.data() + n0, false);
+            } else {
+              gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (kvh * nkb + j) * bs * d, o.data());
+            }
+          }
         }
         for (int64_t i = 0; i < mm; ++i) {
-          float* row = s.data() + i * width;
-          const int64_t t = i % rows;
-          // the bias row of this row's query head and position (entry for key 0)
-          const float* bias_row = dist_bias == nullptr ? nullptr :
-              dist_bias + ((h * g + i / rows) % bias_heads) * (2 * n - 1) + q_offset + r * tm + t + n - 1;
-          for (int64_t c = 0; c < nc; ++c) {
-            const int64_t slot = mask_slot[slot0 + c0 + c];
-            const int64_t j = kv_index[slot0 + c0 + c];
-            const int64_t valid = std::min(bs, n - j * bs);
-            float* block = row + c * bs;
-            if (modified)
-              modify_scores(block, valid, scale, softcap, bias_row == nullptr ? nullptr : bias_row - j * bs);
-            if (row_bits != nullptr && !((static_cast<uint64_t>(row_bits[slot0 + c0 + c]) >> t) & 1ULL)) {
-              std::fill(block, block + bs, NEG_INF);  // this row did not select the block
-              continue;
-            }
-            if (slot >= 0) {
-              apply_mask(block, mask_bits + (slot * bs + mask_row + t) * mask_words, bs);
-            }
-            for (int64_t x = valid; x < bs; ++x) block[x] = NEG_INF;
-          }
-          // raw scores: scale > 0, so the row's max of scale * s is scale * max(s)
-          const float mx = std::max(m[i], max_row(row, cols) * score_scale);
-          T* probs = kVnni<T> ? pt.data() + i * width : reinterpret_cast<T*>(row);
-          if (mx == NEG_INF) {  // nothing allowed yet: P = 0
-            std::fill(probs, probs + cols, T(0));
-          } else {
-            const float sum = exp_sum_row(row, probs, cols, score_scale, mx);
-            const float alpha = m[i] == NEG_INF ? 0.f : std::exp(m[i] - mx);
-            if (alpha != 1.f && c0 > 0) scale_row(o.data() + i * d, d, alpha);
-            l[i] = l[i] * alpha + sum;
-            m[i] = mx;
-          }
+          const int64_t gi = i / rows, t = i % rows;
+          float* row = o.data() + i * d;
+          scale_row(row, d, l[i] > 0.f ? 1.f / l[i] : 0.f);
+          convert_row(row, out + ((h * g + gi) * nq + r * tm + t) * d, d);
+          if (lse != nullptr) lse[(h * g + gi) * nq + r * tm + t] = l[i] > 0.f ? m[i] + std::log(l[i]) : NEG_INF;
         }
-        const T* p = kVnni<T> ? pt.data() : reinterpret_cast<const T*>(s.data());
-        for (int64_t c = 0; c < nc; ++c) {
-          const int64_t j = kv_index[slot0 + c0 + c];
-          if (values_in_place<T>(j, bs, n)) {
-            const T* vj = v + (kvh * n + j * bs) * d;
-            for (int64_t n0 = 0; n0 < d; n0 += NB)
-              brgemm(mm, std::min(NB, d - n0), bs, width, d, d, true, p + c * bs, vj + n0, o.data() + n0, false);
-          } else {
-            gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (kvh * nkb + j) * bs * d, o.data());
-          }
-        }
-      }
-      for (int64_t i = 0; i < mm; ++i) {
-        const int64_t gi = i / rows, t = i % rows;
-        float* row = o.data() + i * d;
-        scale_row(row, d, l[i] > 0.f ? 1.f / l[i] : 0.f);
-        convert_row(row, out + ((h * g + gi) * nq + r * tm + t) * d, d);
-        if (lse != nullptr) lse[(h * g + gi) * nq + r * tm + t] = l[i] > 0.f ? m[i] + std::log(l[i]) : NEG_INF;
       }
     }
     at::native::cpublas::brgemm_release(kVnni<T>);
@@ -700,7 +715,8 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
         if (first < 0) first = x * 64 + __builtin_ctzll(w[x]);
         end = x * 64 + 64 - __builtin_clzll(w[x]);
       }
-    extent[2 * row] = static_cast<int32_t>(std::max<int64_t>(first, 0)), extent[2 * row + 1] = static_cast<int32_t>(end);
+    extent[2 * row] = static_cast<int32_t>(std::max<int64_t>(first, 0));
+    extent[2 * row + 1] = static_cast<int32_t>(end);
   }
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, g, nq}, q.options().dtype(at::kFloat));
@@ -733,7 +749,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("kv_index"), py::arg("kv_count"), py::arg("mask_slot"),
         py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false,
         py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor(), py::arg("tile_rows") = 0,
-        py::arg("softcap") = 0.0, py::arg("dist_bias") = torch::Tensor(), py::arg("q_offset") = 0, py::arg("bf16_dot") = false);
+        py::arg("softcap") = 0.0, py::arg("dist_bias") = torch::Tensor(), py::arg("q_offset") = 0,
+        py::arg("bf16_dot") = false);
   m.def("dot_products", [](py::object dtype, int64_t bs, int64_t d, bool modified, bool bf16_dot) {
     return dot_products(torch::python::detail::py_object_to_dtype(dtype), bs, d, modified, bf16_dot);
   }, "whether block_attention takes its own dot-product tiles for these operands (else oneDNN's GEMMs)");
