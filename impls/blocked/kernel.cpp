@@ -476,7 +476,8 @@ BF16_TARGET void dot_rows(const DotTask& task, const DotMasks& masks, int64_t r0
         const int64_t valid = std::min(bs, n - task.kv_index[c0 + c] * bs);
         const bool kept = row_keeps(c0 + c, t);
         const uint64_t* bits = slot >= 0 ? masks.bits + (slot * bs + task.mask_row + t) * masks.words : nullptr;
-        for (int64_t x = span[2 * c]; x < span[2 * c + 1]; x += 16) {
+        const int64_t lo = span[2 * c], hi = span[2 * c + 1];  // locals: the vector stores may alias span
+        for (int64_t x = lo; x < hi; x += 16) {
           uint32_t keep = kept ? 0xFFFFu : 0u;
           if (bits != nullptr) keep &= static_cast<uint32_t>(bits[x / 64] >> (x % 64));
           if (x + 16 > valid) keep &= valid > x ? (1u << (valid - x)) - 1u : 0u;
@@ -497,12 +498,14 @@ BF16_TARGET void dot_rows(const DotTask& task, const DotMasks& masks, int64_t r0
       }
       const __m512 m2 = _mm512_set1_ps(mx * kLog2e);
       __m512 sum = _mm512_setzero_ps();
-      for (int64_t c = 0; c < nc; ++c)
-        for (int64_t x = span[2 * c]; x < span[2 * c + 1]; x += 16) {
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t lo = span[2 * c], hi = span[2 * c + 1];
+        for (int64_t x = lo; x < hi; x += 16) {
           const __m512 e = exp2_for_16bit(_mm512_fmsub_ps(_mm512_loadu_ps(row + c * bs + x), s2, m2));
           sum = _mm512_add_ps(sum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + c * bs + x), (__m256i)_mm512_cvtneps_pbh(e));
         }
+      }
       const float alpha = m[i] == NEG_INF ? 0.f : std::exp(m[i] - mx);
       if (alpha != 1.f && c0 > 0) scale_row(o + i * d, d, alpha);
       l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
