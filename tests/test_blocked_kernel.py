@@ -223,11 +223,11 @@ def test_the_kernels_own_vnni_pairs_are_the_layout_onednn_packs():
     assert torch.equal(packed_by_onednn, packed_here)
 
 
-def _dot_tiles_or_skip(block_size: int = 64, head_dim: int = 64) -> None:
-    if kernel.unavailable_reason(torch.zeros(1, 1, 16, head_dim, dtype=torch.bfloat16), block_size) is not None:
-        pytest.skip("the kernel does not take bfloat16 here")
-    if kernel.kernel_products(torch.bfloat16, block_size, head_dim, False) != "dot_tiles":
-        pytest.skip("the dot tiles run on AVX512-BF16 without AMX only; oneDNN's GEMMs run here")
+def _dot_tiles_or_skip(dtype: torch.dtype, block_size: int = 64, head_dim: int = 64) -> None:
+    if kernel.unavailable_reason(torch.zeros(1, 1, 16, head_dim, dtype=dtype), block_size) is not None:
+        pytest.skip(f"the kernel does not take {dtype} here")
+    if kernel.kernel_products(dtype, block_size, head_dim, False) != "dot_tiles":
+        pytest.skip("the dot tiles run on AVX512 (bfloat16: with AVX512-BF16, without AMX); oneDNN's GEMMs run here")
 
 
 def _both_products(q, k, v, kv_index, kv_count, mask_slot, masks, bs, heads_per_kv=1, row_bits=None, tile_rows=0):
@@ -239,33 +239,40 @@ def _both_products(q, k, v, kv_index, kv_count, mask_slot, masks, bs, heads_per_
             for dot in (True, False)]
 
 
+def _close(dot, gemm, dtype):
+    (out, lse), (out_gemm, lse_gemm) = dot, gemm
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), out_gemm.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, lse_gemm, rtol=1e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
 PREFILL_CASES = [c for c in CASES if make_pattern(c[0], c[1], **c[2]).q_len > DECODE_ROWS]
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name, n, fields, heads, kv_heads, head_dim", PREFILL_CASES,
                          ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(PREFILL_CASES)])
-def test_the_dot_tiles_give_what_onednns_gemms_give(name, n, fields, heads, kv_heads, head_dim):
-    # Each register tile computes only the 16-key vectors one of its 8 rows may see: a vector skipped that a row
+def test_the_dot_tiles_give_what_onednns_gemms_give(name, n, fields, heads, kv_heads, head_dim, dtype):
+    # Each register tile computes only the 16-key vectors one of its rows may see: a vector skipped that a row
     # needed, a row's mask applied to another's, or a ragged block read past N would move these outputs.
-    _dot_tiles_or_skip(fields["block_size"], head_dim)
+    _dot_tiles_or_skip(DTYPES[dtype], fields["block_size"], head_dim)
     pattern = make_pattern(name, n, **fields)
-    q, k, v = _inputs(pattern, heads, kv_heads, head_dim, torch.bfloat16)
+    q, k, v = _inputs(pattern, heads, kv_heads, head_dim, DTYPES[dtype])
     table = kernel.block_table(pattern, fields["block_size"])
     grouped = q[0].reshape(kv_heads, heads // kv_heads, pattern.q_len, head_dim)
-    (dot, dot_lse), (gemm, gemm_lse) = _both_products(grouped, k[0], v[0], table.kv_index[None],
-                                                      table.kv_count[None], table.mask_slot[None], table.masks,
-                                                      fields["block_size"])
-    torch.testing.assert_close(dot.float(), gemm.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(dot_lse, gemm_lse, rtol=1e-3, atol=1e-3)
+    dot, gemm = _both_products(grouped, k[0], v[0], table.kv_index[None], table.kv_count[None],
+                               table.mask_slot[None], table.masks, fields["block_size"])
+    _close(dot, gemm, DTYPES[dtype])
     extras = _inference(pattern, q, k, v)[1]
     assert extras["products"] == "dot_tiles" and extras["path"] == "kernel"
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("tile_rows, heads_per_kv", [(16, 1), (8, 2), (64, 1)])
-def test_the_dot_tiles_keep_each_rows_own_selection(tile_rows, heads_per_kv):
+def test_the_dot_tiles_keep_each_rows_own_selection(tile_rows, heads_per_kv, dtype):
     # A selection per query row (row_bits): rows of one tile keep different blocks, rows that keep none of a
     # chunk's blocks, tiles smaller than the block, the query heads of a KV head in one task.
-    _dot_tiles_or_skip()
+    _dot_tiles_or_skip(DTYPES[dtype])
     bs, n, kv_heads, d = 64, 448, 2, 64
     heads = kv_heads * heads_per_kv
     pattern = make_pattern("causal", n, block_size=bs)
@@ -278,38 +285,40 @@ def test_the_dot_tiles_keep_each_rows_own_selection(tile_rows, heads_per_kv):
     kv_count = table.kv_count[base].expand(heads, -1).contiguous()
     row_bits = torch.randint(0, 2**62, kv_index.shape, generator=gen, dtype=torch.int64)
     row_bits[:, :, 0] = 0  # no row keeps the first block
-    q = torch.randn(heads, 1, n, d, generator=gen).bfloat16()
-    k, v = (torch.randn(kv_heads, n, d, generator=gen).bfloat16() for _ in range(2))
-    (dot, dot_lse), (gemm, gemm_lse) = _both_products(q, k, v, kv_index, kv_count, mask_slot, table.masks, bs,
-                                                      heads_per_kv, row_bits, tile_rows)
-    torch.testing.assert_close(dot.float(), gemm.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(dot_lse, gemm_lse, rtol=1e-3, atol=1e-3)
-    assert torch.isinf(dot_lse).any() and torch.isfinite(dot_lse).any()  # rows with and without a kept key
+    q = torch.randn(heads, 1, n, d, generator=gen).to(DTYPES[dtype])
+    k, v = (torch.randn(kv_heads, n, d, generator=gen).to(DTYPES[dtype]) for _ in range(2))
+    dot, gemm = _both_products(q, k, v, kv_index, kv_count, mask_slot, table.masks, bs, heads_per_kv, row_bits,
+                               tile_rows)
+    _close(dot, gemm, DTYPES[dtype])
+    lse = dot[1]
+    assert torch.isinf(lse).any() and torch.isfinite(lse).any()  # rows with and without a kept key
 
 
+@pytest.mark.parametrize("tile_rows", [8, 6])  # bfloat16's register tiles, float32's
 @pytest.mark.parametrize("name, n, fields, group", [
     ("local", 4096, dict(window=256), 1),
-    ("causal_local", 1000, dict(window=300), 4),  # a last query block of 40 rows: a group of 8 spans two heads
+    ("causal_local", 1000, dict(window=300), 4),  # a last query block of 40 rows: a register tile spans two heads
     ("dilated", 384, dict(window=96, dilation=3), 2),
 ])
-def test_the_dot_tiles_computed_pairs_count_what_each_group_of_rows_computes(name, n, fields, group):
+def test_the_dot_tiles_computed_pairs_count_what_each_register_tile_computes(name, n, fields, group, tile_rows):
     pattern = make_pattern(name, n, block_size=64, **fields)
     table = kernel.block_table(pattern, 64)
     allowed = pattern.dense_mask()
-    expected = 0  # each task's rows, 8 at a time: per listed block, the 16-key vectors one of them may see
+    expected = 0  # each task's rows, a register tile at a time: per listed block, the 16-key vectors one may see
     for qb in range(table.kv_index.shape[0]):
         rows = min(64, n - qb * 64)
         task = [qb * 64 + i % rows for i in range(group * rows)]
-        for r0 in range(0, len(task), kernel.DOT_ROWS):
+        for r0 in range(0, len(task), tile_rows):
+            tile = task[r0:r0 + tile_rows]
             for j in table.kv_index[qb, :table.kv_count[qb]].tolist():
-                seen = allowed[task[r0:r0 + kernel.DOT_ROWS], j * 64:(j + 1) * 64].any(0)
+                seen = allowed[tile, j * 64:(j + 1) * 64].any(0)
                 if table.mask_slot[qb, table.kv_index[qb].tolist().index(j)] < 0:
-                    seen[:min(64, n - j * 64)] = True  # a full block: every key to N
-                vectors = seen[:len(seen) // 16 * 16].reshape(-1, 16).any(-1).nonzero().flatten()
-                if len(seen) % 16:
-                    vectors = torch.cat([vectors, torch.tensor([len(seen) // 16])]) if seen[-(len(seen) % 16):].any() \
-                        else vectors
+                    seen[:] = True  # a full block: every key to N
+                padded = torch.zeros(64, dtype=torch.bool)
+                padded[:len(seen)] = seen
+                vectors = padded.reshape(4, 16).any(-1).nonzero().flatten()
                 if vectors.numel():
-                    expected += (int(vectors.max()) + 1 - int(vectors.min())) * 16 * len(task[r0:r0 + kernel.DOT_ROWS])
-    assert table.dot_tile_pairs(n, n, group) * group == expected
-    assert pattern.nnz <= table.dot_tile_pairs(n, n, group) <= table.computed_pairs
+                    expected += (int(vectors.max()) + 1 - int(vectors.min())) * 16 * len(tile)
+    assert table.dot_tile_pairs(n, n, group, tile_rows) * group == expected
+    assert pattern.nnz <= table.dot_tile_pairs(n, n, group, tile_rows) <= table.computed_pairs
+    assert kernel.dot_tile_rows(torch.bfloat16) == 8 and kernel.dot_tile_rows(torch.float32) == 6

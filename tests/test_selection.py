@@ -176,6 +176,9 @@ def test_a_selection_suite_records_three_times_fidelity_and_failures(tmp_path):
         by[("oracle_topk", "dense")].fidelity.oracle_recall.mean)
     assert by[("test_rows", "blocked")].config["path"] == "kernel_selected"
     assert by[("test_tokens", "blocked")].config["path"] == "token_rows"  # tokens in inference: impls/blocked/tokens.py
+    # which code ran the block kernel's products, said only where the block kernel ran
+    assert by[("test_rows", "blocked")].config["products"] in ("dot_tiles", "onednn_brgemm")
+    assert "products" not in by[("test_tokens", "blocked")].config
 
 
 @pytest.mark.parametrize("change, words", [

@@ -36,6 +36,7 @@ from impls.blocked.fused import FUSED_ROWS, fused_available
 from impls.blocked.kernel import (
     BlockTable,
     block_table,
+    dot_tile_rows,
     gemm_engine,
     kernel_attention,
     kernel_attention_tables,
@@ -108,8 +109,9 @@ class Blocked(Impl):
         # computed pairs per query head (of the q_len x seq_len matrix), padding included
         shown = table if table is not None else fused if fused is not None else plan
         products = kernel_products(q.dtype, case.block_size, d, mod is not None) if table is not None else None
-        computed = table.dot_tile_pairs(nq, n, group) if table is not None and products == "dot_tiles" \
-            else shown.computed_pairs
+        computed = shown.computed_pairs
+        if table is not None and products == "dot_tiles":  # each register tile over the keys its rows see
+            computed = table.dot_tile_pairs(nq, n, group, dot_tile_rows(q.dtype))
         self._extras = {"path": "band_fused" if shown is fused else shown.path, "gemm": gemm_engine(q.dtype),
                         "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
@@ -217,12 +219,12 @@ class Blocked(Impl):
             slot, masks = base_slots(pattern, bs)
         self._extras = {"path": "kernel_selected" if kernel_missing is None else "gather_selected",
                         "gemm": gemm_engine(q.dtype), "block_size": bs, "group_size": group}
-        if kernel_missing is None:
-            self._extras["products"] = kernel_products(q.dtype, bs, d, False)
-        else:
+        products = kernel_products(q.dtype, bs, d, False) if kernel_missing is None else None
+        if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
 
         def attend(selection):
+            self._extras.pop("products", None)  # set again below where the block kernel runs
             if selection.kv_unit not in (1, bs):  # pages (blocked/pages.py): each (row, head) a paged decode
                 if page_rows_unavailable(selection, pattern, q, k, case.mode) is None:
                     self._extras["path"] = "page_rows"
@@ -237,6 +239,7 @@ class Blocked(Impl):
                 return token_attention(selection, pattern, q, k, v, scale)
             if kernel_missing is not None:
                 return gathered_attention(selection, pattern, q, k, v, scale, bs)
+            self._extras["products"] = products
             task_heads, per_query_head = tasks_of(selection, h, hkv)
             tables = head_tables(selection, slot, masks, nq, n, bs, task_heads)
             tiles = q.reshape(b * h, 1, nq, d) if per_query_head else q.reshape(b * hkv, group, nq, d)

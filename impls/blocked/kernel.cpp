@@ -6,10 +6,10 @@
 // float32 (row max, exponentials and sums, the running output rescaled only when the max grows), then
 // O += P V_j. Keys and values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI
 // pairs in 16-bit dtypes; float32 values are read in place), one pass; no key block is copied per query block, no
-// score leaves the thread's buffers. bfloat16 on a CPU with AVX512-BF16 but without AMX takes its own dot-product
-// tiles instead of oneDNN's GEMMs (dot_rows): DOT_ROWS rows at a time through the whole softmax, each block
-// computed only over the 16-key vectors one of those rows may see. Rows without an allowed key come out zero. A
-// score modification (softcap's tanh, or an additive bias by head and distance: ALiBi, T5's relative bias) is
+// score leaves the thread's buffers. float32, and bfloat16 on a CPU with AVX512-BF16 but without AMX, take the
+// kernel's own dot-product tiles instead of oneDNN's GEMMs (dot_rows): a register tile's rows at a time through the
+// whole softmax, each block computed only over the 16-key vectors one of those rows may see. Rows without an
+// allowed key come out zero. A score modification (softcap's tanh, or an additive bias by head and distance: ALiBi, T5's relative bias) is
 // applied to the scaled score tile in the inner loop, before the masks, and the softmax then reads the modified
 // scores as they are (through oneDNN's GEMMs: the dot tiles take no modification).
 #include <torch/extension.h>
@@ -321,64 +321,88 @@ void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, in
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The dot-product path: bfloat16 products on AVX512-BF16 (vdpbf16ps) where oneDNN would not run AMX. oneDNN's
-// batch-reduce GEMM reached ~98% of the dot-product rate on a hot 64x64x64 block, but the kernel around it ran
-// at ~55% of it: the scores of the tile's 64 rows (128 KB) were written and reread from L2 between the two products,
-// the partial blocks computed whole. Here DOT_ROWS rows of the tile go through the whole softmax at a time: their
-// scores (DOT_ROWS x CHUNK blocks, 16 KB) and probabilities stay in L1, their outputs in registers while the
-// products run, and each block is computed only over the 16-key vectors one of those rows may see (a local window
-// of 256: 1.06x the allowed products instead of 1.24x). Measured at bf16 local 256 (H8 D64, N 4096, 2-core EPYC):
-// 1.3x the oneDNN path, two threads, in one process. Register tiles of 8 rows x 2 vectors were faster than 4 x 4,
-// 6 x 4, 10 x 2, 12 x 2 and 16 x 1 (2-10%); the broadcast inside the dot instruction, the same. Its functions
-// carry the target themselves: the module runs on AVX512 CPUs without it (the caller says whether it may).
+// The dot-product tiles: bfloat16 products on AVX512-BF16 (vdpbf16ps) where oneDNN would not run AMX, float32 on
+// AVX512 FMAs. oneDNN's batch-reduce GEMM reached ~98% of the bfloat16 dot-product rate on a hot 64x64x64 block,
+// but the kernel around it ran at ~55% of it: the scores of the tile's 64 rows (128 KB) were written and reread
+// from L2 between the two products, and partial blocks were computed whole. Here the rows of one register tile
+// (TileShape) go through the whole softmax at a time: their scores (8 rows x CHUNK blocks of 64 keys: 16 KB) and
+// probabilities stay in L1, their outputs in registers while the products run, and each block is computed only
+// over the 16-key vectors one of those rows may see (a local window of 256: 1.06x the allowed products instead
+// of 1.24x). bfloat16 local 256 (H8 D64, N 4096, 2-core EPYC, two threads): 1.3x the oneDNN path; tiles of 8 rows
+// x 2 vectors were 2-10% faster than 4 x 4, 6 x 4, 10 x 2, 12 x 2 and 16 x 1, and the broadcast inside the dot
+// instruction made no difference. float32: 1.13x at local 256, 1.04x at causal_local 1024, the same at
+// block_random 0.1 (no partial block). The functions carry their target themselves: the module runs on AVX512
+// CPUs without AVX512-BF16 (the caller says whether it may use it).
 #define BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
-constexpr int DOT_ROWS = 8;  // tile rows per register tile
-constexpr int DOT_VECS = 2;  // 16-column vectors per register tile
+// Rows and 16-column vectors per register tile: in float32 6 x 4 (as fast as oneDNN's GEMM where every block is
+// whole, 2 x 8 was 5% slower there), in bfloat16 8 x 2.
+template <typename T>
+struct TileShape {
+  static constexpr int rows = 8, vecs = 2;
+};
+template <>
+struct TileShape<float> {
+  static constexpr int rows = 6, vecs = 4;
+};
 
-// s[r][16c..] = sum_w q[r][w] . kt[w][16c..]: R rows of q (`words` 32-bit words, bfloat16 pairs, ldq apart)
-// against K_j^T's words (ldk apart).
-template <int R, int C>
+// A 32-bit word of an operand: a pair of bfloat16 (VNNI), or one float32.
+template <typename T>
+constexpr int64_t kPerWord = 4 / static_cast<int64_t>(sizeof(T));
+
+// acc + a . b over one word per lane, a broadcast.
+template <typename T>
+BF16_TARGET inline __m512 word_dot(__m512 acc, __m512i a, __m512i b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+  } else {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+}
+
+// s[r][16c..] = sum_w q[r][w] . kt[w][16c..]: R rows of q (`words` words, ldq apart) against K_j^T's words (ldk
+// apart).
+template <typename T, int R, int C>
 BF16_TARGET void qk_tile(const uint32_t* q, int64_t ldq, const uint32_t* kt, int64_t ldk, int64_t words, float* s,
                          int64_t lds) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t w = 0; w < words; ++w) {
-    __m512bh b[C];
-    for (int c = 0; c < C; ++c) b[c] = (__m512bh)_mm512_loadu_si512(kt + w * ldk + 16 * c);
+    __m512i b[C];
+    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(kt + w * ldk + 16 * c);
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * ldq + w]));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(q[r * ldq + w]));
+      for (int c = 0; c < C; ++c) acc[r][c] = word_dot<T>(acc[r][c], a, b[c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(s + r * lds + 16 * c, acc[r][c]);
 }
 
-// One block's part of P V: its value pairs [x0, x1) (VNNI words of one column chunk, `ld` words apart from `v`)
-// against the probabilities' pairs from word `at` of each row.
+// One block's part of P V: its value words [x0, x1) (rows of V_j, or pairs of rows in VNNI, `ld` words apart from
+// `v`, which points at the tile's columns) against the probabilities' words from `at` of each row.
 struct PvSpan {
   const uint32_t* v;
-  int64_t at, x0, x1;
+  int64_t ld, at, x0, x1;
 };
 
-// o[r][16c..] += sum over the spans' pairs x of p[r][at + x] . v[x][col + 16c..], the outputs held in registers
-// across the chunk's blocks (p: R rows of bfloat16 pairs, ldp words apart).
-template <int R, int C>
-BF16_TARGET void pv_tile(const uint32_t* p, int64_t ldp, const PvSpan* spans, int64_t n_spans, int64_t ldv,
-                         int64_t col, float* o, int64_t ldo) {
+// o[r][16c..] += sum over the spans' words x of p[r][at + x] . v[x][16c..], the outputs held in registers across
+// the chunk's blocks (p: R rows, ldp words apart).
+template <typename T, int R, int C>
+BF16_TARGET void pv_tile(const uint32_t* p, int64_t ldp, const PvSpan* spans, int64_t n_spans, float* o,
+                         int64_t ldo) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * ldo + 16 * c);
   for (int64_t sp = 0; sp < n_spans; ++sp) {
-    const uint32_t* v = spans[sp].v + col;
-    const uint32_t* pr = p + spans[sp].at;
-    for (int64_t x = spans[sp].x0; x < spans[sp].x1; ++x) {
-      __m512bh b[C];
-      for (int c = 0; c < C; ++c) b[c] = (__m512bh)_mm512_loadu_si512(v + x * ldv + 16 * c);
+    const PvSpan& span = spans[sp];
+    const uint32_t* pr = p + span.at;
+    for (int64_t x = span.x0; x < span.x1; ++x) {
+      __m512i b[C];
+      for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(span.v + x * span.ld + 16 * c);
       for (int r = 0; r < R; ++r) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[r * ldp + x]));
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+        const __m512i a = _mm512_set1_epi32(static_cast<int>(pr[r * ldp + x]));
+        for (int c = 0; c < C; ++c) acc[r][c] = word_dot<T>(acc[r][c], a, b[c]);
       }
     }
   }
@@ -386,21 +410,25 @@ BF16_TARGET void pv_tile(const uint32_t* p, int64_t ldp, const PvSpan* spans, in
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * ldo + 16 * c, acc[r][c]);
 }
 
-template <int R, int C>
+template <typename T>
 struct QkTile {
-  BF16_TARGET static void run(const uint32_t* q, int64_t ldq, const uint32_t* kt, int64_t ldk, int64_t words,
-                              float* s, int64_t lds) { qk_tile<R, C>(q, ldq, kt, ldk, words, s, lds); }
+  template <int R, int C>
+  struct Of {
+    BF16_TARGET static void run(const uint32_t* q, int64_t ldq, const uint32_t* kt, int64_t ldk, int64_t words,
+                                float* s, int64_t lds) { qk_tile<T, R, C>(q, ldq, kt, ldk, words, s, lds); }
+  };
 };
-template <int R, int C>
+template <typename T>
 struct PvTile {
-  BF16_TARGET static void run(const uint32_t* p, int64_t ldp, const PvSpan* spans, int64_t n_spans, int64_t ldv,
-                              int64_t col, float* o, int64_t ldo) {
-    pv_tile<R, C>(p, ldp, spans, n_spans, ldv, col, o, ldo);
-  }
+  template <int R, int C>
+  struct Of {
+    BF16_TARGET static void run(const uint32_t* p, int64_t ldp, const PvSpan* spans, int64_t n_spans, float* o,
+                                int64_t ldo) { pv_tile<T, R, C>(p, ldp, spans, n_spans, o, ldo); }
+  };
 };
 
 // F<rows, vecs>::run(args...) for rows in 1..R, vecs in 1..C (the last rows of a tile, the last vector of a span).
-template <template <int, int> class F, int R = DOT_ROWS, int C = DOT_VECS, typename... A>
+template <template <int, int> class F, int R, int C, typename... A>
 BF16_TARGET inline void by_shape(int64_t rows, int64_t vecs, A... args) {
   if constexpr (R > 0 && C > 0) {
     if (rows != R) return by_shape<F, R - 1, C>(rows, vecs, args...);
@@ -409,11 +437,13 @@ BF16_TARGET inline void by_shape(int64_t rows, int64_t vecs, A... args) {
   }
 }
 
-// One task of the dot-product path: its tile's query rows and its table row.
+// One task of the dot tiles: its tile's query rows, its KV head's blocks and its table row.
+template <typename T>
 struct DotTask {
-  const uint32_t* q;  // the tile's rows (mm x d bfloat16: d / 2 words a row)
-  const at::BFloat16* kp;  // the KV head's packed K_j^T blocks
-  const at::BFloat16* vp;  // and V_j blocks
+  const uint32_t* q;  // the tile's rows (mm x d, d / kPerWord words a row)
+  const T* kp;  // the KV head's packed K_j^T blocks
+  const T* vp;  // and packed V_j blocks (float32: the ragged last block only)
+  const T* v;  // and its value rows (float32 reads full blocks where they lie)
   const int32_t* kv_index;  // the task's table row
   const int32_t* mask_slot;
   const int64_t* row_bits;  // or nullptr
@@ -428,18 +458,25 @@ struct DotMasks {
 };
 
 // Rows [r0, r0 + gr) of a task through every chunk of its table row: their o (gr x d), m and l as attend keeps
-// them. s: gr x width floats, p: gr x width bfloat16, span: 2 * CHUNK, pv: CHUNK.
-BF16_TARGET void dot_rows(const DotTask& task, const DotMasks& masks, int64_t r0, int64_t gr, int64_t n, int64_t d,
-                          int64_t bs, float scale, float* s, uint16_t* p, int32_t* span, PvSpan* pv, float* o,
-                          float* m, float* l) {
-  const int64_t width = CHUNK * bs, words = d / 2;
+// them. s: gr x width floats (float32: the probabilities too, over the scores), p: gr x width 16-bit
+// probabilities (bfloat16), span: 2 * CHUNK, pv: CHUNK.
+template <typename T>
+BF16_TARGET void dot_rows(const DotTask<T>& task, const DotMasks& masks, int64_t r0, int64_t gr, int64_t n,
+                          int64_t d, int64_t bs, float scale, float* s, uint16_t* p, int32_t* span, PvSpan* pv,
+                          float* o, float* m, float* l) {
+  constexpr bool f32 = std::is_same_v<T, float>;
+  using Shape = TileShape<T>;
+  const int64_t width = CHUNK * bs, words = d / kPerWord<T>;
   const uint32_t* q = task.q + r0 * words;
-  const __m512 masked = _mm512_set1_ps(NEG_INF), s2 = _mm512_set1_ps(scale * kLog2e);
-  for (int64_t i = 0; i < gr; ++i) m[i] = NEG_INF, l[i] = 0.f;
-  std::fill(o, o + gr * d, 0.f);
+  const __m512 masked = _mm512_set1_ps(NEG_INF);
+  // the probabilities as the second product reads them: 16-bit in p, float32 over the scores
+  const uint32_t* pw = f32 ? reinterpret_cast<const uint32_t*>(s) : reinterpret_cast<const uint32_t*>(p);
+  const int64_t ldp = width / kPerWord<T>;
   auto row_keeps = [&](int64_t c, int64_t t) {  // whether tile row t selected the chunk's block c
     return task.row_bits == nullptr || ((static_cast<uint64_t>(task.row_bits[c]) >> t) & 1ULL);
   };
+  for (int64_t i = 0; i < gr; ++i) m[i] = NEG_INF, l[i] = 0.f;
+  std::fill(o, o + gr * d, 0.f);
   for (int64_t c0 = 0; c0 < task.count; c0 += CHUNK) {
     const int64_t nc = std::min(CHUNK, task.count - c0);
     // scores: each block over the 16-key vectors that hold a key one of the rows may see
@@ -457,13 +494,14 @@ BF16_TARGET void dot_rows(const DotTask& task, const DotMasks& masks, int64_t r0
       lo -= lo % 16, hi = std::min(bs, (hi + 15) / 16 * 16);
       if (lo >= hi) lo = hi = 0;
       span[2 * c] = static_cast<int32_t>(lo), span[2 * c + 1] = static_cast<int32_t>(hi);
-      const at::BFloat16* kt = task.kp + j * d * bs;
+      const T* kt = task.kp + j * d * bs;
       for (int64_t n0 = lo - lo % NB; n0 < hi; n0 += NB) {  // K_j^T in column chunks of NB, nb words apart
         const int64_t nb = std::min(NB, bs - n0), a = std::max(lo, n0), b = std::min(hi, n0 + nb);
         const auto* chunk = reinterpret_cast<const uint32_t*>(kt + d * n0);
-        for (int64_t x = a; x < b; x += 16 * DOT_VECS)
-          by_shape<QkTile>(gr, std::min<int64_t>(DOT_VECS, (b - x) / 16), q, words, chunk + (x - n0), nb, words,
-                           s + c * bs + x, width);
+        for (int64_t x = a; x < b; x += 16 * Shape::vecs)
+          by_shape<QkTile<T>::template Of, Shape::rows, Shape::vecs>(
+              gr, std::min<int64_t>(Shape::vecs, (b - x) / 16), q, words, chunk + (x - n0), nb, words,
+              s + c * bs + x, width);
       }
     }
     // each row: its masks, running max, exponentials and sum, over the computed vectors only
@@ -493,17 +531,27 @@ BF16_TARGET void dot_rows(const DotTask& task, const DotMasks& masks, int64_t r0
       const float mx = std::max(m[i], _mm512_reduce_max_ps(mv) * scale);
       uint16_t* pi = p + i * width;
       if (mx == NEG_INF) {  // nothing allowed yet: P = 0 over the computed vectors
-        for (int64_t c = 0; c < nc; ++c) std::fill(pi + c * bs + span[2 * c], pi + c * bs + span[2 * c + 1], 0);
+        for (int64_t c = 0; c < nc; ++c) {
+          if constexpr (f32) std::fill(row + c * bs + span[2 * c], row + c * bs + span[2 * c + 1], 0.f);
+          else std::fill(pi + c * bs + span[2 * c], pi + c * bs + span[2 * c + 1], 0);
+        }
         continue;
       }
-      const __m512 m2 = _mm512_set1_ps(mx * kLog2e);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t lo = span[2 * c], hi = span[2 * c + 1];
         for (int64_t x = lo; x < hi; x += 16) {
-          const __m512 e = exp2_for_16bit(_mm512_fmsub_ps(_mm512_loadu_ps(row + c * bs + x), s2, m2));
-          sum = _mm512_add_ps(sum, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + c * bs + x), (__m256i)_mm512_cvtneps_pbh(e));
+          float* at = row + c * bs + x;
+          if constexpr (f32) {  // exp_u20, the approximation torch's own flash kernel uses
+            const __m512 e = at::vec::fmsub(Vec::loadu(at), Vec(scale), Vec(mx)).exp_u20();
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(at, e);
+          } else {
+            const __m512 e = exp2_for_16bit(_mm512_fmsub_ps(_mm512_loadu_ps(at), _mm512_set1_ps(scale * kLog2e),
+                                                            _mm512_set1_ps(mx * kLog2e)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + c * bs + x), (__m256i)_mm512_cvtneps_pbh(e));
+          }
         }
       }
       const float alpha = m[i] == NEG_INF ? 0.f : std::exp(m[i] - mx);
@@ -511,18 +559,23 @@ BF16_TARGET void dot_rows(const DotTask& task, const DotMasks& masks, int64_t r0
       l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
       m[i] = mx;
     }
-    // O += P V over the chunk's blocks; V_j in column chunks of NB (chunk n0 from its element bs * n0, nb words
-    // a pair of rows)
-    int64_t n_spans = 0;
-    for (int64_t c = 0; c < nc; ++c)
-      if (span[2 * c] < span[2 * c + 1])
-        pv[n_spans++] = PvSpan{reinterpret_cast<const uint32_t*>(task.vp + task.kv_index[c0 + c] * bs * d),
-                               c * bs / 2, span[2 * c] / 2, span[2 * c + 1] / 2};
-    for (int64_t n0 = 0; n0 < d; n0 += NB) {
-      const int64_t nb = std::min(NB, d - n0);
-      for (int64_t x = 0; x < nb; x += 16 * DOT_VECS)
-        by_shape<PvTile>(gr, std::min<int64_t>(DOT_VECS, (nb - x) / 16), reinterpret_cast<const uint32_t*>(p),
-                         width / 2, pv, n_spans, nb, bs * n0 / 2 + x, o + n0 + x, d);
+    // O += P V over the chunk's blocks, a register tile's vectors of columns at a time. V_j as pack_values
+    // laid it out (column chunks of NB: chunk n0 from its element bs * n0, nb words a row or pair of rows), or
+    // float32 rows where they lie (D words a row).
+    for (int64_t col = 0; col < d; col += 16 * Shape::vecs) {
+      const int64_t n0 = col - col % NB, nb = std::min(NB, d - n0);
+      int64_t n_spans = 0;
+      for (int64_t c = 0; c < nc; ++c) {
+        if (span[2 * c] == span[2 * c + 1]) continue;
+        const int64_t j = task.kv_index[c0 + c];
+        const bool in_place = f32 && (j + 1) * bs <= n;
+        const T* base = in_place ? task.v + j * bs * d + col
+                                 : task.vp + j * bs * d + bs * n0 + kPerWord<T> * (col - n0);
+        pv[n_spans++] = PvSpan{reinterpret_cast<const uint32_t*>(base), in_place ? d : nb, c * bs / kPerWord<T>,
+                               span[2 * c] / kPerWord<T>, span[2 * c + 1] / kPerWord<T>};
+      }
+      by_shape<PvTile<T>::template Of, Shape::rows, Shape::vecs>(gr, std::min<int64_t>(Shape::vecs, (d - col) / 16),
+                                                                 pw, ldp, pv, n_spans, o + col, d);
     }
   }
 }
@@ -576,14 +629,14 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
         std::fill(l.begin(), l.begin() + mm, 0.f);
         const int64_t count = kv_count[(tables == 1 ? 0 : h) * nqb + r];
   #if defined(CPU_CAPABILITY_AVX512)
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if constexpr (!std::is_same_v<T, at::Half>) {
           if (dot) {
-            const DotTask tile{reinterpret_cast<const uint32_t*>(tile_q), kp + kvh * nkb * d * bs,
-                               vp + kvh * nkb * bs * d, kv_index + slot0, mask_slot + slot0,
-                               row_bits == nullptr ? nullptr : row_bits + slot0, count, rows, mask_row};
+            const DotTask<T> tile{reinterpret_cast<const uint32_t*>(tile_q), kp + kvh * nkb * d * bs,
+                                  vp + kvh * nkb * bs * d, v + kvh * n * d, kv_index + slot0, mask_slot + slot0,
+                                  row_bits == nullptr ? nullptr : row_bits + slot0, count, rows, mask_row};
             const DotMasks dm{mask_bits, mask_words, mask_extent};
-            for (int64_t r0 = 0; r0 < mm; r0 += DOT_ROWS)
-              dot_rows(tile, dm, r0, std::min<int64_t>(DOT_ROWS, mm - r0), n, d, bs, scale, s.data(),
+            for (int64_t r0 = 0; r0 < mm; r0 += TileShape<T>::rows)
+              dot_rows(tile, dm, r0, std::min<int64_t>(TileShape<T>::rows, mm - r0), n, d, bs, scale, s.data(),
                        reinterpret_cast<uint16_t*>(pt.data()), span.data(), pv.data(), o.data() + r0 * d,
                        m.data() + r0, l.data() + r0);
           }
@@ -655,12 +708,14 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
   });
 }
 
-// Whether the dot-product path runs: bfloat16 on a CPU with AVX512-BF16 (bf16_dot) where oneDNN would not run
-// AMX, on blocks and heads of whole 16-column vectors, without a score modification (applied by the oneDNN path).
-bool dot_products(at::ScalarType dtype, int64_t bs, int64_t d, bool modified, bool bf16_dot) {
+// Whether the dot-product tiles run: where the caller allows them (dot_tiles; in bfloat16 only on a CPU with
+// AVX512-BF16), float32 on AVX512, bfloat16 where oneDNN would not run AMX; on blocks and heads of whole 16-column
+// vectors, without a score modification (applied on the oneDNN path).
+bool dot_products(at::ScalarType dtype, int64_t bs, int64_t d, bool modified, bool dot_tiles) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return bf16_dot && dtype == at::kBFloat16 && bs % 16 == 0 && d % 16 == 0 && !modified &&
-         !at::native::cpublas::could_pack(at::kBFloat16);
+  const bool products = dtype == at::kFloat ||
+                        (dtype == at::kBFloat16 && !at::native::cpublas::could_pack(at::kBFloat16));
+  return dot_tiles && products && bs % 16 == 0 && d % 16 == 0 && !modified;
 #else
   return false;
 #endif
@@ -672,14 +727,14 @@ bool dot_products(at::ScalarType dtype, int64_t bs, int64_t d, bool modified, bo
 // own, read at the tile's rows), kv_count int32 (T, tiles), T = 1 (one table for every head: a pattern's
 // block-sparse view) or H (one per head: a selection); masks bool (P, bs, bs); row_bits int64 (T, tiles,
 // max_kv) or empty (module comment of attend). own_pairs: the 16-bit VNNI pairs written
-// by pack_b even where oneDNN's packer exists. bf16_dot: the CPU has AVX512-BF16 (the caller checked; see
-// dot_products for when the dot-product path then runs). Returns (out (H, G, Nq, D), lse (H, G, Nq) float32).
+// by pack_b even where oneDNN's packer exists. dot_tiles: the kernel's own dot-product tiles allowed (bfloat16: the
+// caller checked that the CPU has AVX512-BF16; dot_products says where they then run). Returns (out (H, G, Nq, D), lse (H, G, Nq) float32).
 std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& kv_index, const torch::Tensor& kv_count,
                                            const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
                                            int64_t bs, bool own_pairs, int64_t heads_per_kv,
                                            const torch::Tensor& row_bits, int64_t tile_rows, double softcap,
-                                           const torch::Tensor& dist_bias, int64_t q_offset, bool bf16_dot) {
+                                           const torch::Tensor& dist_bias, int64_t q_offset, bool dot_tiles) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "q (H, G, Nq, D), k and v (H, N, D)");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -708,7 +763,7 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
               "masks (P, bs, bs), contiguous");
   const int64_t mask_words = (bs + 63) / 64;
   const std::vector<uint64_t> mask_bits = mask_bit_rows(masks, bs, mask_words);
-  const bool dot = dot_products(q.scalar_type(), bs, d, biased || softcap > 0.0, bf16_dot);
+  const bool dot = dot_products(q.scalar_type(), bs, d, biased || softcap > 0.0, dot_tiles);
   std::vector<int32_t> extent(dot ? 2 * masks.size(0) * bs : 0);  // each mask row's allowed keys [first, last + 1)
   for (int64_t row = 0; dot && row < masks.size(0) * bs; ++row) {
     const uint64_t* w = mask_bits.data() + row * mask_words;
@@ -753,9 +808,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false,
         py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor(), py::arg("tile_rows") = 0,
         py::arg("softcap") = 0.0, py::arg("dist_bias") = torch::Tensor(), py::arg("q_offset") = 0,
-        py::arg("bf16_dot") = false);
-  m.def("dot_products", [](py::object dtype, int64_t bs, int64_t d, bool modified, bool bf16_dot) {
-    return dot_products(torch::python::detail::py_object_to_dtype(dtype), bs, d, modified, bf16_dot);
+        py::arg("dot_tiles") = false);
+  m.def("dot_products", [](py::object dtype, int64_t bs, int64_t d, bool modified, bool dot_tiles) {
+    return dot_products(torch::python::detail::py_object_to_dtype(dtype), bs, d, modified, dot_tiles);
   }, "whether block_attention takes its own dot-product tiles for these operands (else oneDNN's GEMMs)");
   m.def("library_packs", [](py::object dtype) {
     return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));

@@ -166,12 +166,19 @@ def gemm_engine(dtype: torch.dtype) -> str:
 
 def kernel_products(dtype: torch.dtype, block_size: int, head_dim: int, modified: bool) -> str:
     """Which code runs the CPU kernel's two products (the record's config.products on the kernel path):
-    dot_tiles (the kernel's own AVX512-BF16 register tiles, row groups through the whole softmax: bfloat16 without
-    AMX, blocks and heads of whole 16-column vectors, no score modification) or onednn_brgemm."""
+    dot_tiles (the kernel's own register tiles, a tile's rows through the whole softmax at a time: float32 on
+    AVX512 FMAs, bfloat16 on AVX512-BF16 without AMX; blocks and heads of whole 16-column vectors, no score
+    modification) or onednn_brgemm."""
     module = kernel_module()
     taken = module is not None and module.dot_products(dtype, block_size, head_dim, modified,
-                                                       has_bf16_dot_products())
+                                                       dot_tiles_allowed(dtype))
     return "dot_tiles" if taken else "onednn_brgemm"
+
+
+def dot_tiles_allowed(dtype: torch.dtype) -> bool:
+    """Whether the kernel may run its own dot-product tiles in `dtype`: bfloat16 needs AVX512-BF16's instruction,
+    float32 AVX512's FMAs (the module, built for AVX512, checks that)."""
+    return dtype != torch.bfloat16 or has_bf16_dot_products()
 
 
 def has_bf16_dot_products() -> bool:
@@ -183,7 +190,11 @@ def has_bf16_dot_products() -> bool:
     return bool(features.get("avx512_bf16", False))
 
 
-DOT_ROWS = 8  # query rows per register tile of the kernel's dot tiles (kernel.cpp, DOT_ROWS)
+
+def dot_tile_rows(dtype: torch.dtype) -> int:
+    """Query rows per register tile of the kernel's dot tiles (kernel.cpp, TileShape)."""
+    return 6 if dtype == torch.float32 else 8
+
 
 
 @dataclass(frozen=True)
@@ -203,10 +214,11 @@ class BlockTable:
         """(query, key) products per query head: every listed block whole."""
         return int(self.kv_count.sum()) * self.block * self.block
 
-    def dot_tile_pairs(self, q_len: int, seq_len: int, group: int) -> int:
+    def dot_tile_pairs(self, q_len: int, seq_len: int, group: int, tile_rows: int) -> int:
         """(query, key) products per query head through the dot tiles (`kernel_products` "dot_tiles"): a task
-        holds the `group` query heads' rows of a query block one after the other, and each DOT_ROWS of those rows
-        compute a listed block over the 16-key vectors that hold a key one of them may see (kernel.cpp, dot_rows)."""
+        holds the `group` query heads' rows of a query block one after the other, and each `tile_rows` of those
+        rows (`dot_tile_rows`) compute a listed block over the 16-key vectors that hold a key one of them may see
+        (kernel.cpp, dot_rows)."""
         bs, nqb = self.block, self.kv_index.shape[0]
         listed = torch.arange(self.kv_index.shape[1]) < self.kv_count[:, None]
         valid = (seq_len - self.kv_index.long() * bs).clamp(max=bs)  # keys in each listed block
@@ -220,13 +232,14 @@ class BlockTable:
             lo = torch.where(allowed, keys, bs).amin(-1)  # (E, bs): each mask row's keys [lo, hi), cut at N
             hi = torch.minimum(torch.where(allowed, keys + 1, 0).amax(-1), valid[qb, entry][:, None])
             lo = torch.where(lo < hi, lo, bs)
-            task_rows = torch.arange(group * bs)  # row i of the task: head i // rows, row i % rows of the block
+            # row i of the task: head i // rows, row i % rows of the block; padded to whole register tiles
+            task_rows = torch.arange(-(-group * bs // tile_rows) * tile_rows)
             t = task_rows % rows[qb][:, None].clamp(min=1)
             real = task_rows < group * rows[qb][:, None]
-            lo = torch.where(real, lo.gather(1, t), bs).reshape(len(qb), -1, DOT_ROWS)
-            hi = torch.where(real, hi.gather(1, t), 0).reshape(len(qb), -1, DOT_ROWS)
+            lo = torch.where(real, lo.gather(1, t), bs).reshape(len(qb), -1, tile_rows)
+            hi = torch.where(real, hi.gather(1, t), 0).reshape(len(qb), -1, tile_rows)
             width = ((hi.amax(-1) + 15) // 16 * 16).clamp(max=bs) - lo.amin(-1) // 16 * 16
-            pairs += int((width.clamp(min=0) * real.reshape(len(qb), -1, DOT_ROWS).sum(-1)).sum())
+            pairs += int((width.clamp(min=0) * real.reshape(len(qb), -1, tile_rows).sum(-1)).sum())
         return pairs // group
 
 
@@ -274,7 +287,7 @@ def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: 
                                     table.kv_count[None], table.mask_slot[None], table.masks, scale, table.block,
                                     own_pairs, 1, _NO_BITS, 0, mod.softcap,
                                     _NO_BIAS if mod.dist_bias is None else mod.dist_bias, mod.q_offset,
-                                    has_bf16_dot_products())
+                                    dot_tiles_allowed(q.dtype))
     return out
 
 
@@ -306,4 +319,4 @@ def kernel_attention_tables(tables: HeadTables, q: Tensor, k: Tensor, v: Tensor,
     return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), tables.kv_index, tables.kv_count,
                                   tables.mask_slot, tables.masks, scale, tables.block, False, heads_per_kv,
                                   tables.row_bits, tables.tile_rows, _NO_MOD.softcap, _NO_BIAS, _NO_MOD.q_offset,
-                                  has_bf16_dot_products())
+                                  dot_tiles_allowed(q.dtype))
