@@ -9,9 +9,9 @@
 // score leaves the thread's buffers. float32, and bfloat16 on a CPU with AVX512-BF16 but without AMX, take the
 // kernel's own dot-product tiles instead of oneDNN's GEMMs (dot_rows): a register tile's rows at a time through the
 // whole softmax, each block computed only over the 16-key vectors one of those rows may see. Rows without an
-// allowed key come out zero. A score modification (softcap's tanh, or an additive bias by head and distance: ALiBi, T5's relative bias) is
-// applied to the scaled score tile in the inner loop, before the masks, and the softmax then reads the modified
-// scores as they are (through oneDNN's GEMMs: the dot tiles take no modification).
+// allowed key come out zero. A score modification (softcap's tanh, or an additive bias by head and distance:
+// ALiBi, T5's relative bias) is applied to the scaled score tile in the inner loop, before the masks, and the
+// softmax then reads the modified scores as they are (through oneDNN's GEMMs: the dot tiles take none).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -320,6 +320,17 @@ void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, in
   });
 }
 
+// Rows and 16-column vectors per register tile of the dot tiles (below): in float32 6 x 4 (as fast as oneDNN's GEMM
+// where every block is whole; 8 x 2 and 12 x 2 were 5% slower there), in bfloat16 8 x 2.
+template <typename T>
+struct TileShape {
+  static constexpr int rows = 8, vecs = 2;
+};
+template <>
+struct TileShape<float> {
+  static constexpr int rows = 6, vecs = 4;
+};
+
 #if defined(CPU_CAPABILITY_AVX512)
 // The dot-product tiles: bfloat16 products on AVX512-BF16 (vdpbf16ps) where oneDNN would not run AMX, float32 on
 // AVX512 FMAs. oneDNN's batch-reduce GEMM reached ~98% of the bfloat16 dot-product rate on a hot 64x64x64 block,
@@ -332,18 +343,9 @@ void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, in
 // x 2 vectors were 2-10% faster than 4 x 4, 6 x 4, 10 x 2, 12 x 2 and 16 x 1, and the broadcast inside the dot
 // instruction made no difference. float32: 1.13x at local 256, 1.04x at causal_local 1024, the same at
 // block_random 0.1 (no partial block). The functions carry their target themselves: the module runs on AVX512
-// CPUs without AVX512-BF16 (the caller says whether it may use it).
+// CPUs without AVX512-BF16 (the caller says whether it may use it; the float32 instantiations use no bfloat16
+// instruction).
 #define BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
-// Rows and 16-column vectors per register tile: in float32 6 x 4 (as fast as oneDNN's GEMM where every block is
-// whole, 2 x 8 was 5% slower there), in bfloat16 8 x 2.
-template <typename T>
-struct TileShape {
-  static constexpr int rows = 8, vecs = 2;
-};
-template <>
-struct TileShape<float> {
-  static constexpr int rows = 6, vecs = 4;
-};
 
 // A 32-bit word of an operand: a pair of bfloat16 (VNNI), or one float32.
 template <typename T>
@@ -458,7 +460,7 @@ struct DotMasks {
 };
 
 // Rows [r0, r0 + gr) of a task through every chunk of its table row: their o (gr x d), m and l as attend keeps
-// them. s: gr x width floats (float32: the probabilities too, over the scores), p: gr x width 16-bit
+// them (zero, -inf and zero before the first chunk). s: gr x width floats (float32: the probabilities too, over the scores), p: gr x width 16-bit
 // probabilities (bfloat16), span: 2 * CHUNK, pv: CHUNK.
 template <typename T>
 BF16_TARGET void dot_rows(const DotTask<T>& task, const DotMasks& masks, int64_t r0, int64_t gr, int64_t n,
@@ -475,8 +477,6 @@ BF16_TARGET void dot_rows(const DotTask<T>& task, const DotMasks& masks, int64_t
   auto row_keeps = [&](int64_t c, int64_t t) {  // whether tile row t selected the chunk's block c
     return task.row_bits == nullptr || ((static_cast<uint64_t>(task.row_bits[c]) >> t) & 1ULL);
   };
-  for (int64_t i = 0; i < gr; ++i) m[i] = NEG_INF, l[i] = 0.f;
-  std::fill(o, o + gr * d, 0.f);
   for (int64_t c0 = 0; c0 < task.count; c0 += CHUNK) {
     const int64_t nc = std::min(CHUNK, task.count - c0);
     // scores: each block over the 16-key vectors that hold a key one of the rows may see
@@ -584,8 +584,8 @@ BF16_TARGET void dot_rows(const DotTask<T>& task, const DotMasks& masks, int64_t
 // The block table of task head h: its own (tables == heads: a selection per head) or the one shared by all.
 // row_bits (optional, bs <= 64): bit t of a slot says whether row t of the query block keeps that key block
 // (a selection per query row, run over the union of its block's rows' blocks). lse (optional): each row's
-// log-sum-exp of its allowed scaled scores, -inf for a row without keys. dot: the dot-product path (dot_rows) for
-// bfloat16 (the caller checked that it may run).
+// log-sum-exp of its allowed scaled scores, -inf for a row without keys. dot: the products on the dot tiles
+// (dot_rows; dot_products said they may run), else on oneDNN's GEMMs.
 template <typename T>
 void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
@@ -628,7 +628,7 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
         std::fill(m.begin(), m.begin() + mm, NEG_INF);
         std::fill(l.begin(), l.begin() + mm, 0.f);
         const int64_t count = kv_count[(tables == 1 ? 0 : h) * nqb + r];
-  #if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
         if constexpr (!std::is_same_v<T, at::Half>) {
           if (dot) {
             const DotTask<T> tile{reinterpret_cast<const uint32_t*>(tile_q), kp + kvh * nkb * d * bs,
@@ -641,7 +641,7 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
                        m.data() + r0, l.data() + r0);
           }
         }
-  #endif
+#endif
         for (int64_t c0 = 0; c0 < (dot ? 0 : count); c0 += CHUNK) {  // oneDNN's GEMMs
           const int64_t nc = std::min(CHUNK, count - c0), cols = nc * bs;
           for (int64_t c = 0; c < nc; ++c) {
@@ -812,6 +812,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_products", [](py::object dtype, int64_t bs, int64_t d, bool modified, bool dot_tiles) {
     return dot_products(torch::python::detail::py_object_to_dtype(dtype), bs, d, modified, dot_tiles);
   }, "whether block_attention takes its own dot-product tiles for these operands (else oneDNN's GEMMs)");
+  m.def("dot_tile_rows", [](py::object dtype) {
+    return torch::python::detail::py_object_to_dtype(dtype) == at::kFloat ? TileShape<float>::rows
+                                                                            : TileShape<at::BFloat16>::rows;
+  }, "query rows per register tile of the dot tiles in this dtype");
   m.def("library_packs", [](py::object dtype) {
     return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));
   }, "whether oneDNN's packer lays out B operands of this 16-bit dtype (AMX machines)");

@@ -175,6 +175,13 @@ def kernel_products(dtype: torch.dtype, block_size: int, head_dim: int, modified
     return "dot_tiles" if taken else "onednn_brgemm"
 
 
+def dot_tile_rows(dtype: torch.dtype) -> int:
+    """Query rows per register tile of the kernel's dot tiles in `dtype` (kernel.cpp, TileShape)."""
+    module = kernel_module()
+    assert module is not None, "dot_tile_rows needs the built kernel"
+    return int(module.dot_tile_rows(dtype))
+
+
 def dot_tiles_allowed(dtype: torch.dtype) -> bool:
     """Whether the kernel may run its own dot-product tiles in `dtype`: bfloat16 needs AVX512-BF16's instruction,
     float32 AVX512's FMAs (the module, built for AVX512, checks that)."""
@@ -189,11 +196,6 @@ def has_bf16_dot_products() -> bool:
     features = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
     return bool(features.get("avx512_bf16", False))
 
-
-
-def dot_tile_rows(dtype: torch.dtype) -> int:
-    """Query rows per register tile of the kernel's dot tiles (kernel.cpp, TileShape)."""
-    return 6 if dtype == torch.float32 else 8
 
 
 
