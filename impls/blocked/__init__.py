@@ -53,6 +53,18 @@ from impls.blocked.tokens import rows_as_sequences_unavailable, token_attention,
 from impls.common import softmax_scale
 
 
+def _computed(shown, table: BlockTable | None, case, pattern, q, n: int, group: int,
+              modified: bool) -> dict[str, object]:
+    """The record's computed pairs per query head (of the q_len x seq_len matrix, padding included) and, on the
+    kernel, which code ran its products: through its dot tiles each register tile computes the keys its rows see."""
+    computed, extras = shown.computed_pairs, {}
+    if table is not None:
+        extras["products"] = kernel_products(q.dtype, case.block_size, q.shape[-1], modified)
+        if extras["products"] == "dot_tiles":
+            computed = table.dot_tile_pairs(q.shape[2], n, group, dot_tile_rows(q.dtype))
+    return {"computed_pairs_per_head": computed, "computed_over_allowed": computed / max(1, pattern.nnz), **extras}
+
+
 @register
 class Blocked(Impl):
     name = "blocked"
@@ -106,19 +118,11 @@ class Blocked(Impl):
                     wide = plan if plan.rows >= FUSED_ROWS else \
                         make_plan(pattern, FUSED_ROWS, b * hkv, group, scale, q.device, q.dtype)
                     fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan
-        # computed pairs per query head (of the q_len x seq_len matrix), padding included
         shown = table if table is not None else fused if fused is not None else plan
-        products = kernel_products(q.dtype, case.block_size, d, mod is not None) if table is not None else None
-        computed = shown.computed_pairs
-        if table is not None and products == "dot_tiles":  # each register tile over the keys its rows see
-            computed = table.dot_tile_pairs(nq, n, group, dot_tile_rows(q.dtype))
         self._extras = {"path": "band_fused" if shown is fused else shown.path, "gemm": gemm_engine(q.dtype),
                         "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
-                        "group_size": group, "computed_pairs_per_head": computed,
-                        "computed_over_allowed": computed / max(1, pattern.nnz)}
-        if products is not None:
-            self._extras["products"] = products
+                        "group_size": group, **_computed(shown, table, case, pattern, q, n, group, mod is not None)}
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
             if mod is not None:
