@@ -197,8 +197,6 @@ def has_bf16_dot_products() -> bool:
     return bool(features.get("avx512_bf16", False))
 
 
-
-
 @dataclass(frozen=True)
 class BlockTable:
     """The pattern's block-sparse view as the kernel reads it (int32 and bool, contiguous)."""
