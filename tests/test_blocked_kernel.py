@@ -79,6 +79,31 @@ def test_kernel_gives_zero_rows_where_no_key_is_allowed(dtype):
     assert torch.equal(out[:, :, :64], full[:, :, :64]) and torch.equal(out[:, :, 128:], full[:, :, 128:])
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_large_calls_packed_one_head_at_a_time_with_streamed_outputs_match_the_oracle(dtype):
+    # Past the threads' L2 the kernel packs K and V one KV head at a time, each head's tasks offset into one
+    # buffer, and writes its output with streaming stores. One thread keeps that bound at one core's L2; N is
+    # taken past it for the packed copy and for the output, with a ragged last block.
+    torch_dtype = DTYPES[dtype]
+    if kernel.unavailable_reason(torch.zeros(1, 1, 16, 64, dtype=torch_dtype), 64) is not None:
+        pytest.skip(f"the kernel does not take {dtype} here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cache = kernel.kernel_module().cache_bytes()
+        heads, kv_heads, head_dim, size = 4, 2, 64, torch_dtype.itemsize
+        n = (cache // (heads * head_dim * size) // 64 + 1) * 64 + 40
+        assert heads * n * head_dim * size > cache and 2 * kv_heads * n * head_dim * size > cache
+        pattern = make_pattern("local", n, window=200, block_size=64)
+        q, k, v = _inputs(pattern, heads, kv_heads, head_dim, torch_dtype)
+        out, extras = _inference(pattern, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    assert extras["path"] == "kernel", extras
+    stats = compare(out, reference_attention(q.double(), k.double(), v.double(), pattern), tolerance_for(dtype))
+    assert stats.nonfinite == 0 and stats.passed, f"{dtype}: rel_l2 {stats.rel_l2}"
+
+
 def test_kernel_unavailable_falls_back_to_the_torch_ops_and_says_why(monkeypatch):
     monkeypatch.setattr(kernel, "_module", None)
     monkeypatch.setattr(kernel, "_unavailable", "the CPU kernel could not be built (no compiler)")
