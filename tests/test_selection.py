@@ -227,3 +227,38 @@ def test_blocked_row_tables_at_every_tile_height(selector: str, row_tile: int, m
     expected, _ = reference_attention_lse(q, k, v, pattern, extra_mask=lambda r: effective_mask(
         chosen, pattern, r, case.heads, case.n_kv_heads))
     assert float((out.double() - expected).norm() / expected.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("selector", ["test_rows", "test_row_heads"])
+def test_blocked_selections_past_the_cache_pack_one_kv_head_at_a_time(selector: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the threads' L2 blocked's kernel packs K and V one KV head at a time, and a selection's tasks (a table
+    per head, the query heads of a KV head on its packed blocks) must find their head's blocks at the buffer's
+    start: one thread, N taken past that core's L2 for the packed copy and the output, against the oracle."""
+    import impls.blocked as blocked
+    from impls.blocked import kernel
+
+    if kernel.unavailable_reason(torch.zeros(1, 1, 16, 64), 64) is not None:
+        pytest.skip("blocked's CPU kernel does not run here")
+    calls = []
+    monkeypatch.setattr(blocked, "kernel_attention_tables",
+                        lambda *args: calls.append(args[-1]) or kernel.kernel_attention_tables(*args))  # heads_per_kv
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cache = kernel.kernel_module().cache_bytes()
+        heads, kv_heads, head_dim = 4, 2, 64
+        n = (cache // (heads * head_dim * 4) // 64 + 1) * 64 + 24
+        assert 2 * kv_heads * n * head_dim * 4 > cache  # the packed K and V of both KV heads
+        case = Case(batch=1, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=n, pattern="causal",
+                    block_size=64, dtype="float32", device="cpu", selector=selector, budget=0.25, seed=3)
+        pattern = case.make_pattern()
+        q, k, v = _inputs(case)
+        chosen = api.select(selector, q, k, case)
+        out = api.attention("blocked", q, k, v, pattern, chosen, block_size=case.block_size)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls, "the selection did not reach the block kernel"
+    expected, _ = reference_attention_lse(q, k, v, pattern, extra_mask=lambda r: effective_mask(
+        chosen, pattern, r, case.heads, case.n_kv_heads))
+    assert float((out.double() - expected).norm() / expected.norm()) < 1e-4

@@ -8,12 +8,12 @@
 // pairs in 16-bit dtypes; float32 values are read in place), one pass; no key block is copied per query block, no
 // score leaves the thread's buffers. Where the packed copy of every head would outgrow the cores' L2, one KV head
 // is packed at a time into the same buffer and its tasks run before the next (pack_by_head), and large outputs
-// are written with streaming stores (finish_row). float32, and bfloat16 on a CPU with AVX512-BF16 but without AMX, take the
-// kernel's own dot-product tiles instead of oneDNN's GEMMs (dot_rows): a register tile's rows at a time through the
-// whole softmax, each block computed only over the 16-key vectors one of those rows may see. Rows without an
-// allowed key come out zero. A score modification (softcap's tanh, or an additive bias by head and distance:
-// ALiBi, T5's relative bias) is applied to the scaled score tile in the inner loop, before the masks, and the
-// softmax then reads the modified scores as they are (through oneDNN's GEMMs: the dot tiles take none).
+// are written with streaming stores (finish_row). float32, and bfloat16 on a CPU with AVX512-BF16 but without
+// AMX, take the kernel's own dot-product tiles instead of oneDNN's GEMMs (dot_rows): a register tile's rows at a
+// time through the whole softmax, each block computed only over the 16-key vectors one of those rows may see.
+// Rows without an allowed key come out zero. A score modification (softcap's tanh, or an additive bias by head and
+// distance: ALiBi, T5's relative bias) is applied to the scaled score tile in the inner loop, before the masks,
+// and the softmax then reads the modified scores as they are (through oneDNN's GEMMs: the dot tiles take none).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -465,8 +465,8 @@ struct DotMasks {
 };
 
 // Rows [r0, r0 + gr) of a task through every chunk of its table row: their o (gr x d), m and l as attend keeps
-// them (zero, -inf and zero before the first chunk). s: gr x width floats (float32: the probabilities too, over the scores), p: gr x width 16-bit
-// probabilities (bfloat16), span: 2 * CHUNK, pv: CHUNK.
+// them (zero, -inf and zero before the first chunk). s: gr x width floats (float32: the probabilities too, over
+// the scores), p: gr x width 16-bit probabilities (bfloat16), span: 2 * CHUNK, pv: CHUNK.
 template <typename T>
 BF16_TARGET void dot_rows(const DotTask<T>& task, const DotMasks& masks, int64_t r0, int64_t gr, int64_t n,
                           int64_t d, int64_t bs, float scale, float* s, uint16_t* p, int32_t* span, PvSpan* pv,
@@ -597,13 +597,13 @@ int64_t threads_l2_bytes() {
 
 // Whether K and V are packed one KV head at a time (that head's tasks run before the next is packed, into the same
 // buffer): where the packed copy of all heads would not stay in the L2s between its writing and its reading. It
-// then went to memory and back; one head's copy stays (bfloat16 local 256, H8 D64, N 4096, 8 MB packed: 3%
-// faster on the 2-core EPYC, 2% at float32 local 256, 3% at bfloat16 block_random 0.1).
+// then went to memory and back; one head's copy stays (bfloat16 local 256, H8 D64, N 4096, 8 MB packed: 3.5%
+// faster on the 2-core EPYC, float32 local 256 3%, bfloat16 block_random 0.1 2%).
 bool pack_by_head(int64_t packed_bytes) { return packed_bytes > threads_l2_bytes(); }
 
 // Whether the output is written with streaming stores: past the L2s it will not be in the cache when its caller
 // reads it, and streaming skips the read that each cached store makes first, and leaves the cache to the packed
-// blocks (bfloat16 local 256, 4 MB out: 4% faster on the 2-core EPYC).
+// blocks (bfloat16 local 256, 4 MB out: 4% faster on the 2-core EPYC, float32 local 2.5%).
 bool stream_output(int64_t bytes) { return bytes > threads_l2_bytes(); }
 
 // out[0..d) = o[0..d) * inv in the output dtype; streamed (stream_output) where the row is whole 64-byte lines.
@@ -785,9 +785,10 @@ bool dot_products(at::ScalarType dtype, int64_t bs, int64_t d, bool modified, bo
 // kv_index, mask_slot int32 (T, tiles, max_kv) (mask_slot -1: a full block; p: masks[p], the base query block's
 // own, read at the tile's rows), kv_count int32 (T, tiles), T = 1 (one table for every head: a pattern's
 // block-sparse view) or H (one per head: a selection); masks bool (P, bs, bs); row_bits int64 (T, tiles,
-// max_kv) or empty (module comment of attend). own_pairs: the 16-bit VNNI pairs written
-// by pack_b even where oneDNN's packer exists. dot_tiles: the kernel's own dot-product tiles allowed (bfloat16: the
-// caller checked that the CPU has AVX512-BF16; dot_products says where they then run). Returns (out (H, G, Nq, D), lse (H, G, Nq) float32).
+// max_kv) or empty (module comment of attend). own_pairs: the 16-bit VNNI pairs written by pack_b even where
+// oneDNN's packer exists. dot_tiles: the kernel's own dot-product tiles allowed (bfloat16: the caller checked that
+// the CPU has AVX512-BF16; dot_products says where they then run). Returns (out (H, G, Nq, D), lse (H, G, Nq)
+// float32).
 std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& kv_index, const torch::Tensor& kv_count,
                                            const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
