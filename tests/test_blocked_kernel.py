@@ -80,9 +80,9 @@ def test_kernel_gives_zero_rows_where_no_key_is_allowed(dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_large_calls_packed_one_head_at_a_time_with_streamed_outputs_match_the_oracle(dtype):
-    # Past the threads' L2 the kernel packs K and V one KV head at a time, each head's tasks offset into one
-    # buffer, and writes its output with streaming stores. One thread keeps that bound at one core's L2; N is
+def test_large_calls_packed_as_the_tasks_need_them_with_streamed_outputs_match_the_oracle(dtype):
+    # Past the threads' L2 the kernel packs each block of K and V where a task first needs it, inside the tasks'
+    # region, and writes its output with streaming stores. One thread keeps that bound at one core's L2; N is
     # taken past it for the packed copy and for the output, with a ragged last block.
     torch_dtype = DTYPES[dtype]
     if kernel.unavailable_reason(torch.zeros(1, 1, 16, 64, dtype=torch_dtype), 64) is not None:

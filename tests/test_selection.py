@@ -230,11 +230,11 @@ def test_blocked_row_tables_at_every_tile_height(selector: str, row_tile: int, m
 
 
 @pytest.mark.parametrize("selector", ["test_rows", "test_row_heads"])
-def test_blocked_selections_past_the_cache_pack_one_kv_head_at_a_time(selector: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the threads' L2 blocked's kernel packs K and V one KV head at a time, and a selection's tasks (a table
-    per head, the query heads of a KV head on its packed blocks) must find their head's blocks at the buffer's
-    start: one thread, N taken past that core's L2 for the packed copy and the output, against the oracle."""
+def test_blocked_selections_past_the_cache_pack_blocks_as_tasks_need_them(selector: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the threads' L2 blocked's kernel packs each block where a task first needs it, and a selection's tasks
+    (a table per head, the query heads of a KV head on its packed blocks) must each find every block they read
+    packed: one thread, N taken past that core's L2 for the packed copy and the output, against the oracle."""
     import impls.blocked as blocked
     from impls.blocked import kernel
 

@@ -6,9 +6,9 @@
 // float32 (row max, exponentials and sums, the running output rescaled only when the max grows), then
 // O += P V_j. Keys and values are packed once per call into the layout the GEMM reads (K_j transposed; VNNI
 // pairs in 16-bit dtypes; float32 values are read in place), one pass; no key block is copied per query block, no
-// score leaves the thread's buffers. Where the packed copy of every head would outgrow the cores' L2, one KV head
-// is packed at a time into the same buffer and its tasks run before the next (pack_by_head), and large outputs
-// are written with streaming stores (finish_row). float32, and bfloat16 on a CPU with AVX512-BF16 but without
+// score leaves the thread's buffers. Where the packed copy of every head would outgrow the cores' L2, each block is
+// packed by the first task that needs it, inside the tasks' parallel region (LatePacking), and large outputs are
+// written with streaming stores (finish_row). float32, and bfloat16 on a CPU with AVX512-BF16 but without
 // AMX, take the kernel's own dot-product tiles instead of oneDNN's GEMMs (dot_rows): a register tile's rows at a
 // time through the whole softmax, each block computed only over the 16-key vectors one of those rows may see.
 // Rows without an allowed key come out zero. A score modification (softcap's tanh, or an additive bias by head and
@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>
@@ -298,32 +299,82 @@ inline bool values_in_place(int64_t j, int64_t bs, int64_t n) {
 // K_j^T (D x bs) and V_j (bs x D). own_pairs: written here even where oneDNN's packer exists (AMX), for the test
 // that the two layouts agree; where the packer exists it is used otherwise.
 template <typename T>
-void pack_blocks(const T* k, const T* v, int64_t heads, int64_t n, int64_t d, int64_t bs, T* kp, T* vp,
-                 bool own_pairs) {
-  const int64_t nkb = (n + bs - 1) / bs;
-  static const bool library_packs = kVnni<T> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
-  const bool library = library_packs && !own_pairs;
-  at::parallel_for(0, heads * nkb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> kt(library ? d * bs : 0), vb(library ? bs * d : 0), plain(library ? std::max(d, bs) * NB : 0);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / nkb, j = task % nkb;
-      const int64_t valid = std::min(bs, n - j * bs);
-      const T* kj = k + (h * n + j * bs) * d;
-      const T* vj = v + (h * n + j * bs) * d;
-      if (!library) {
-        pack_keys(kj, d, bs, valid, kp + task * d * bs);
-        if (!values_in_place<T>(j, bs, n)) pack_values(vj, d, bs, valid, vp + task * bs * d);
-        continue;
-      }
-      for (int64_t x = 0; x < d; ++x)
-        for (int64_t t = 0; t < bs; ++t) kt[x * bs + t] = t < valid ? kj[t * d + x] : T(0);
-      std::memcpy(vb.data(), vj, valid * d * sizeof(T));
-      std::fill(vb.begin() + valid * d, vb.end(), T(0));
-      library_pack_b(kt.data(), d, bs, bs, kp + task * d * bs, plain);
-      library_pack_b(vb.data(), bs, d, d, vp + task * bs * d, plain);
+struct BlockPacker {
+  const T* k;
+  const T* v;
+  T* kp;
+  T* vp;
+  int64_t n, d, bs, nkb;
+  bool library;  // through oneDNN's packer
+
+  BlockPacker(const T* k, const T* v, T* kp, T* vp, int64_t n, int64_t d, int64_t bs, bool own_pairs)
+      : k(k), v(v), kp(kp), vp(vp), n(n), d(d), bs(bs), nkb((n + bs - 1) / bs), library(library_packs() && !own_pairs) {}
+
+  static bool library_packs() {
+    static const bool packs = kVnni<T> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+    return packs;
+  }
+
+  // Scratch for oneDNN's packer, one per thread.
+  struct Scratch {
+    std::vector<T> kt, vb, plain;
+  };
+  Scratch scratch() const {
+    return {std::vector<T>(library ? d * bs : 0), std::vector<T>(library ? bs * d : 0),
+            std::vector<T>(library ? std::max(d, bs) * NB : 0)};
+  }
+
+  // Block j of KV head h.
+  void pack(int64_t h, int64_t j, Scratch& s) const {
+    const int64_t block = h * nkb + j, valid = std::min(bs, n - j * bs);
+    const T* kj = k + (h * n + j * bs) * d;
+    const T* vj = v + (h * n + j * bs) * d;
+    if (!library) {
+      pack_keys(kj, d, bs, valid, kp + block * d * bs);
+      if (!values_in_place<T>(j, bs, n)) pack_values(vj, d, bs, valid, vp + block * bs * d);
+      return;
     }
-  });
-}
+    for (int64_t x = 0; x < d; ++x)
+      for (int64_t t = 0; t < bs; ++t) s.kt[x * bs + t] = t < valid ? kj[t * d + x] : T(0);
+    std::memcpy(s.vb.data(), vj, valid * d * sizeof(T));
+    std::fill(s.vb.begin() + valid * d, s.vb.end(), T(0));
+    library_pack_b(s.kt.data(), d, bs, bs, kp + block * d * bs, s.plain);
+    library_pack_b(s.vb.data(), bs, d, d, vp + block * bs * d, s.plain);
+  }
+
+  // Every block of every head, in one pass before the tasks.
+  void pack_all(int64_t heads) const {
+    at::parallel_for(0, heads * nkb, 1, [&](int64_t begin, int64_t end) {
+      Scratch s = scratch();
+      for (int64_t block = begin; block < end; ++block) pack(block / nkb, block % nkb, s);
+    });
+  }
+};
+
+// Blocks packed where a task first needs them (pack_late), inside the tasks' own parallel region: the block is
+// then in the cache for its first readers, where a pass over every block before the tasks sent the packed copy
+// to memory and back. A state per (KV head, block): 0 not packed, 1 being packed, 2 packed.
+template <typename T>
+struct LatePacking {
+  const BlockPacker<T>& packer;
+  std::atomic<uint8_t>* state;
+
+  // The blocks of KV head h that a task reads, packed by whoever needs them first; the others wait for the one
+  // packing (a block: a microsecond or two).
+  void need(int64_t h, const int32_t* blocks, int64_t count, typename BlockPacker<T>::Scratch& s) const {
+    for (int64_t c = 0; c < count; ++c) {
+      std::atomic<uint8_t>& st = state[h * packer.nkb + blocks[c]];
+      if (st.load(std::memory_order_acquire) == 2) continue;
+      uint8_t idle = 0;
+      if (st.compare_exchange_strong(idle, 1, std::memory_order_acq_rel)) {
+        packer.pack(h, blocks[c], s);
+        st.store(2, std::memory_order_release);
+      } else {
+        while (st.load(std::memory_order_acquire) != 2) std::this_thread::yield();
+      }
+    }
+  }
+};
 
 // Rows and 16-column vectors per register tile of the dot tiles (below): in float32 6 x 4 (as fast as oneDNN's GEMM
 // where every block is whole; 8 x 2 and 12 x 2 were 5% slower there), in bfloat16 8 x 2.
@@ -598,11 +649,9 @@ int64_t threads_l2_bytes() {
   return per_core * at::get_num_threads();
 }
 
-// Whether K and V are packed one KV head at a time (that head's tasks run before the next is packed, into the same
-// buffer): where the packed copy of all heads would not stay in the L2s between its writing and its reading. It
-// then went to memory and back; one head's copy stays (bfloat16 local 256, H8 D64, N 4096, 8 MB packed: 3.5%
-// faster on the 2-core EPYC, float32 local 256 3%, bfloat16 block_random 0.1 2%).
-bool pack_by_head(int64_t packed_bytes) { return packed_bytes > threads_l2_bytes(); }
+// Whether K and V are packed where the tasks first need them (LatePacking) rather than in a pass before them:
+// where the packed copy of all heads would not stay in the L2s between its writing and its reading.
+bool pack_late(int64_t packed_bytes) { return packed_bytes > threads_l2_bytes(); }
 
 // Whether the output is written with streaming stores: past the L2s it will not be in the cache when its caller
 // reads it, and streaming skips the read that each cached store makes first, and leaves the cache to the packed
@@ -634,34 +683,29 @@ inline void finish_row(float* o, float inv, T* out, int64_t d, bool stream) {
   convert_row(o, out, d);
 }
 
-// The tasks one call of attend runs, [begin, end) of heads x query tiles (head-major), and the KV head whose
-// blocks start the packed buffers: 0 where every head is packed, else the one head packed (pack_by_head).
-struct TaskRange {
-  int64_t begin, end, packed_head0;
-};
-
 // The block table of task head h: its own (tables == heads: a selection per head) or the one shared by all.
 // row_bits (optional, bs <= 64): bit t of a slot says whether row t of the query block keeps that key block
 // (a selection per query row, run over the union of its block's rows' blocks). lse (optional): each row's
 // log-sum-exp of its allowed scaled scores, -inf for a row without keys. dot: the products on the dot tiles
-// (dot_rows; dot_products said they may run), else on oneDNN's GEMMs.
+// (dot_rows; dot_products said they may run), else on oneDNN's GEMMs. late: K and V packed as the tasks first
+// need them (pack_late), else packed already.
 template <typename T>
 void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
             const int32_t* mask_slot, const uint64_t* mask_bits, int64_t mask_words, float scale, int64_t tables,
             int64_t heads_per_kv,
             const int64_t* row_bits, float* lse, int64_t tm, float softcap, const float* dist_bias,
-            int64_t bias_heads, int64_t q_offset, bool dot, const int32_t* mask_extent, const TaskRange& range) {
+            int64_t bias_heads, int64_t q_offset, bool dot, const int32_t* mask_extent, const LatePacking<T>* late) {
   const bool modified = softcap > 0.f || dist_bias != nullptr;
   const float score_scale = modified ? 1.f : scale;  // modified scores are scaled already
   const int64_t nqb = (nq + tm - 1) / tm, nkb = (n + bs - 1) / bs;  // nqb: query tiles of tm rows
   const int64_t width = CHUNK * bs;
   // The threads take chunks of tasks from a shared counter (a 64th of a thread's share): one that a neighbour's
   // process slows takes fewer, and a selection's costlier tiles are not all one thread's.
-  const int64_t tasks = range.end - range.begin, slots = std::min<int64_t>(at::get_num_threads(), tasks);
+  const int64_t tasks = heads * nqb, slots = std::min<int64_t>(at::get_num_threads(), tasks);
   const int64_t chunk = std::max<int64_t>(1, tasks / (std::max<int64_t>(slots, 1) * 64));
   const bool stream = stream_output(heads * g * nq * d * static_cast<int64_t>(sizeof(T)));
-  std::atomic<int64_t> next_task{range.begin};
+  std::atomic<int64_t> next_task{0};
   at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
     if (slot_begin >= slot_end) return;
     const int64_t max_m = g * bs;
@@ -671,10 +715,11 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
     std::vector<int32_t> span(dot ? 2 * CHUNK : 0);
     std::vector<PvSpan> pv(dot ? CHUNK : 0);
 #endif
-    for (int64_t first = next_task.fetch_add(chunk); first < range.end; first = next_task.fetch_add(chunk)) {
-      for (int64_t task = first; task < std::min(range.end, first + chunk); ++task) {
+    auto scratch = late != nullptr ? late->packer.scratch() : typename BlockPacker<T>::Scratch{};
+    for (int64_t first = next_task.fetch_add(chunk); first < tasks; first = next_task.fetch_add(chunk)) {
+      for (int64_t task = first; task < std::min(tasks, first + chunk); ++task) {
         const int64_t h = task / nqb, r = task % nqb;
-        const int64_t kvh = h / heads_per_kv, packed = kvh - range.packed_head0;  // the K/V head it reads
+        const int64_t kvh = h / heads_per_kv;  // the packed K/V head this task reads
         const int64_t slot0 = ((tables == 1 ? 0 : h) * nqb + r) * max_kv;  // this task's table row
         const int64_t rows = std::min(tm, nq - r * tm), mm = g * rows;
         const int64_t mask_row = (r * tm) % bs;  // the tile's first row inside its base query block's masks
@@ -688,11 +733,12 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
         std::fill(m.begin(), m.begin() + mm, NEG_INF);
         std::fill(l.begin(), l.begin() + mm, 0.f);
         const int64_t count = kv_count[(tables == 1 ? 0 : h) * nqb + r];
+        if (late != nullptr) late->need(kvh, kv_index + slot0, count, scratch);
 #if defined(CPU_CAPABILITY_AVX512)
         if constexpr (!std::is_same_v<T, at::Half>) {
           if (dot) {
-            const DotTask<T> tile{reinterpret_cast<const uint32_t*>(tile_q), kp + packed * nkb * d * bs,
-                                  vp + packed * nkb * bs * d, v + kvh * n * d, kv_index + slot0, mask_slot + slot0,
+            const DotTask<T> tile{reinterpret_cast<const uint32_t*>(tile_q), kp + kvh * nkb * d * bs,
+                                  vp + kvh * nkb * bs * d, v + kvh * n * d, kv_index + slot0, mask_slot + slot0,
                                   row_bits == nullptr ? nullptr : row_bits + slot0, count, rows, mask_row};
             const DotMasks dm{mask_bits, mask_words, mask_extent};
             for (int64_t r0 = 0; r0 < mm; r0 += TileShape<T>::rows)
@@ -706,7 +752,7 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
           const int64_t nc = std::min(CHUNK, count - c0), cols = nc * bs;
           for (int64_t c = 0; c < nc; ++c) {
             const int64_t j = kv_index[slot0 + c0 + c];
-            gemm_b(mm, bs, d, d, width, false, tile_q, kp + (packed * nkb + j) * d * bs, s.data() + c * bs);
+            gemm_b(mm, bs, d, d, width, false, tile_q, kp + (kvh * nkb + j) * d * bs, s.data() + c * bs);
           }
           for (int64_t i = 0; i < mm; ++i) {
             float* row = s.data() + i * width;
@@ -751,7 +797,7 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
               for (int64_t n0 = 0; n0 < d; n0 += NB)
                 brgemm(mm, std::min(NB, d - n0), bs, width, d, d, true, p + c * bs, vj + n0, o.data() + n0, false);
             } else {
-              gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (packed * nkb + j) * bs * d, o.data());
+              gemm_b(mm, d, bs, width, d, true, p + c * bs, vp + (kvh * nkb + j) * bs * d, o.data());
             }
           }
         }
@@ -842,22 +888,22 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, g, nq}, q.options().dtype(at::kFloat));
   const int64_t kv_heads = k.size(0);
-  const int64_t packed_heads = pack_by_head(2 * kv_heads * nkb * bs * d * k.element_size()) ? 1 : kv_heads;
-  auto kp = torch::empty({packed_heads * nkb * d * bs}, k.options());
-  auto vp = torch::empty({packed_heads * nkb * bs * d}, k.options());
+  const bool late = pack_late(2 * kv_heads * nkb * bs * d * k.element_size());
+  auto kp = torch::empty({kv_heads * nkb * d * bs}, k.options());
+  auto vp = torch::empty({kv_heads * nkb * bs * d}, k.options());
+  std::vector<std::atomic<uint8_t>> packed(late ? kv_heads * nkb : 0);  // LatePacking's states, 0: not packed
   auto table = [&](auto tag) {
     using T = decltype(tag);
-    for (int64_t kv0 = 0; kv0 < kv_heads; kv0 += packed_heads) {  // all heads at once, or one at a time
-      pack_blocks<T>(k.data_ptr<T>() + kv0 * n * d, v.data_ptr<T>() + kv0 * n * d, packed_heads, n, d, bs,
-                     kp.data_ptr<T>(), vp.data_ptr<T>(), own_pairs);
-      const TaskRange range{kv0 * heads_per_kv * nqb, (kv0 + packed_heads) * heads_per_kv * nqb, kv0};
-      attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(), heads, g,
-                nq, n, d, bs, kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv,
-                mask_slot.data_ptr<int32_t>(), mask_bits.data(), mask_words, static_cast<float>(scale), tables,
-                heads_per_kv, bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm,
-                static_cast<float>(softcap), biased ? dist_bias.data_ptr<float>() : nullptr,
-                biased ? dist_bias.size(0) : 1, q_offset, dot, extent.data(), range);
-    }
+    const BlockPacker<T> packer(k.data_ptr<T>(), v.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), n, d, bs,
+                                own_pairs);
+    const LatePacking<T> late_packing{packer, packed.data()};
+    if (!late) packer.pack_all(kv_heads);
+    attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq,
+              n, d, bs, kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv,
+              mask_slot.data_ptr<int32_t>(), mask_bits.data(), mask_words, static_cast<float>(scale), tables,
+              heads_per_kv, bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm,
+              static_cast<float>(softcap), biased ? dist_bias.data_ptr<float>() : nullptr,
+              biased ? dist_bias.size(0) : 1, q_offset, dot, extent.data(), late ? &late_packing : nullptr);
   };
   switch (q.scalar_type()) {
     case at::kFloat: table(float{}); break;
@@ -885,8 +931,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                                             : TileShape<at::BFloat16>::rows;
   }, "query rows per register tile of the dot tiles in this dtype");
   m.def("cache_bytes", &threads_l2_bytes,
-        "the L2 of the cores the call's threads run on: past it K and V are packed one head at a time and the "
-        "output is streamed");
+        "the L2 of the cores the call's threads run on: past it K and V are packed as the tasks first need them "
+        "and the output is streamed");
   m.def("library_packs", [](py::object dtype) {
     return at::native::cpublas::could_pack(torch::python::detail::py_object_to_dtype(dtype));
   }, "whether oneDNN's packer lays out B operands of this 16-bit dtype (AMX machines)");
