@@ -367,7 +367,12 @@ struct LatePacking {
       if (st.load(std::memory_order_acquire) == 2) continue;
       uint8_t idle = 0;
       if (st.compare_exchange_strong(idle, 1, std::memory_order_acq_rel)) {
-        packer.pack(h, blocks[c], s);
+        try {
+          packer.pack(h, blocks[c], s);
+        } catch (...) {  // oneDNN's packer failed: release the waiters, the call fails with its error
+          st.store(2, std::memory_order_release);
+          throw;
+        }
         st.store(2, std::memory_order_release);
       } else {
         while (st.load(std::memory_order_acquire) != 2) std::this_thread::yield();
