@@ -28,7 +28,6 @@ class AllGatherContextParallel(DistributedImpl):
     def prepare(self, case, pattern, q, k, v):
         comm = communicator_for(case)
         shard = self.shard(case, comm.rank)
-        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
         b, hkv, n, d = k.shape
         rows = shard.positions()
         gathered_order = torch.cat([self.shard(case, src).positions() for src in range(comm.world_size)])
@@ -37,6 +36,9 @@ class AllGatherContextParallel(DistributedImpl):
                                 gathered_order, q.device, accum_dtype(q.dtype))
 
         def call():
+            # the rank's positions taken in the call (zigzag: its two chunks copied), so that it reads the inputs
+            # as they are when it runs
+            q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
             gathered = all_gather(torch.stack((k_r, v_r)))  # (P, 2, B, H, C, D)
             kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, n, d)  # ranks' positions in rank order
             return attend(q_r, kv[0], kv[1], mask, modify)

@@ -34,7 +34,6 @@ class RingContextParallel(DistributedImpl):
         comm = communicator_for(case)
         p, r = comm.world_size, comm.rank
         shard = self.shard(case, r)
-        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
         rows = shard.positions()
         masks: list[torch.Tensor | None] = []
         for step in range(p):
@@ -44,6 +43,9 @@ class RingContextParallel(DistributedImpl):
         ring = Ring(comm, p, (r + 1) % p, (r - 1) % p, tuple(masks))
 
         def call():
+            # the rank's positions taken in the call (zigzag: its two chunks copied), so that it reads the inputs
+            # as they are when it runs
+            q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
             return ring_attention(q_r, k_r, v_r, ring)
 
         return call

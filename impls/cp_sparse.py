@@ -60,7 +60,6 @@ class SparseContextParallel(DistributedImpl):
         p, r = comm.world_size, comm.rank
         shards = [self.shard(case, rank) for rank in range(p)]
         shard = shards[r]
-        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
         needed = needed_keys(pattern, case)
         owner, local_index = owners(shards, case.seq_len)
         # What this rank sends to each rank (indices into its own positions), and receives from each owner:
@@ -78,6 +77,9 @@ class SparseContextParallel(DistributedImpl):
                                 q.device, accum_dtype(q.dtype))
 
         def call():
+            # the rank's positions taken in the call (zigzag: its two chunks copied), so that it reads the inputs
+            # as they are when it runs
+            q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H, C, D)
             local = torch.stack((k_r, v_r)).permute(3, 0, 1, 2, 4)  # (C, 2, B, H, D): positions first
             fetched = all_to_all(local.index_select(0, send_index), send_splits, recv_splits)  # (F, 2, B, H, D)
             kv = torch.cat((local, fetched)).permute(1, 2, 3, 0, 4)  # (2, B, H, C + F, D)

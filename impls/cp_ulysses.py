@@ -52,7 +52,6 @@ class UlyssesContextParallel(DistributedImpl):
         comm = communicator_for(case)
         p, r = comm.world_size, comm.rank
         shard = self.shard(case, r)
-        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
         repeat = ulysses_kv_heads(case.heads, case.n_kv_heads, p) // case.n_kv_heads
         group = UlyssesGroup(tuple(range(p)), r, p)
         order = self._gathered_order(case)
@@ -62,6 +61,9 @@ class UlyssesContextParallel(DistributedImpl):
                                 order, q.device, accum_dtype(q.dtype))
 
         def call():
+            # the rank's positions taken in the call (zigzag: its two chunks copied), so that it reads the inputs
+            # as they are when it runs
+            q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
             k_x, v_x = (k_r, v_r) if repeat == 1 else (t.repeat_interleave(repeat, dim=1) for t in (k_r, v_r))
             q_h, k_h, v_h = ulysses_scatter_heads(group, (q_r, k_x, v_x))  # (B, H/P, N, D), (B, Hkv'/P, N, D)
             return ulysses_gather_heads(group, attend(q_h, k_h, v_h, mask, modify))  # (B, H, C, D)

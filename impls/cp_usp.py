@@ -111,7 +111,6 @@ class UnifiedSequenceParallel(DistributedImpl):
         if nodes is not None:
             self._extras["ulysses_groups"] = "inside nodes" if groups_inside_nodes(u, nodes) else "across nodes"
         shard = self.shard(case, r)
-        q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
         repeat = ulysses_kv_heads(case.heads, case.n_kv_heads, u) // case.n_kv_heads
         group = UlyssesGroup(tuple(range(place * u, (place + 1) * u)), index, p)
         rows = self.group_positions(case, place)
@@ -123,6 +122,9 @@ class UnifiedSequenceParallel(DistributedImpl):
         ring = Ring(comm, rings, (r + u) % p, (r - u) % p, tuple(masks))
 
         def call():
+            # the rank's positions taken in the call (zigzag: its two chunks copied), so that it reads the inputs
+            # as they are when it runs
+            q_r, k_r, v_r = shard.take(q), shard.take(k), shard.take(v)  # (B, H or Hkv, C, D)
             if u == 1:
                 return ring_attention(q_r, k_r, v_r, ring)
             k_x, v_x = (k_r, v_r) if repeat == 1 else (t.repeat_interleave(repeat, dim=1) for t in (k_r, v_r))

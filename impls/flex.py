@@ -113,6 +113,7 @@ def first_call_falls_back(attempts, extras: dict[str, object]):
                 extras["mask_mod"] = f"tabulated (the predicate did not compile: {why[0].split(': ', 1)[1]})"
             elif name == "uncompiled":
                 extras["compiled"] = f"uncompiled (torch.compile failed: {'; '.join(why)})"
+                extras["fallback"] = {"path": "uncompiled", "reason": f"torch.compile failed: {'; '.join(why)}"}
             state["run"] = candidate
             return out
         raise AssertionError("no attempt")

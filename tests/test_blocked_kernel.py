@@ -205,7 +205,7 @@ def test_strided_inputs_give_what_contiguous_ones_give(mode):
         torch.testing.assert_close(strided, contiguous, rtol=0, atol=0)
 
 
-def test_bfloat16_is_refused_with_its_reason_where_the_cpu_has_no_fast_bfloat16_products(monkeypatch):
+def test_bfloat16_runs_the_kernel_on_widened_operands_where_the_cpu_has_no_fast_bfloat16_products(monkeypatch):
     built = kernel.kernel_module()
     if built is None:
         pytest.skip(f"the kernel is not built here: {kernel.unavailable_reason(torch.zeros(1, 1, 16, 16), 16)}")
@@ -221,13 +221,20 @@ def test_bfloat16_is_refused_with_its_reason_where_the_cpu_has_no_fast_bfloat16_
     monkeypatch.setattr(kernel, "has_bf16_dot_products", lambda: False)
     pattern = make_pattern("block_random", 320, density=0.3, seed=0, block_size=64)
     q, k, v = _inputs(pattern, 2, 2, 64, torch.bfloat16)
-    reason = kernel.unavailable_reason(q, 64)
-    assert reason is not None and "neither AMX nor AVX512-BF16" in reason
-    assert kernel.unavailable_reason(q.float(), 64) is None  # float32 still goes to the kernel
+    assert kernel.unavailable_reason(q, 64) is None and kernel.widened(torch.bfloat16)
+    assert not kernel.widened(torch.float32)
     out, extras = _inference(pattern, q, k, v)
-    assert extras["path"] != "kernel" and extras["kernel_unavailable"] == reason
+    assert extras["path"] == "kernel" and extras["products"] == "onednn_brgemm_widened", extras
+    assert "fallback" not in extras and out.dtype == torch.bfloat16
     stats = compare(out, reference_attention(q.double(), k.double(), v.double(), pattern), tolerance_for("bfloat16"))
     assert stats.passed
+    # float32 products on the widened bfloat16 values: what the float32 kernel gives on the same values, to the
+    # output's rounding (bfloat16 keeps 8 bits)
+    table = kernel.block_table(pattern, 64)
+    grouped = q[0].reshape(2, 1, pattern.q_len, 64)
+    widened = kernel.kernel_attention(table, grouped, k[0], v[0], 64**-0.5)
+    in_float32 = kernel.kernel_attention(table, grouped.float(), k[0].float(), v[0].float(), 64**-0.5)
+    torch.testing.assert_close(widened.float(), in_float32, rtol=2**-7, atol=1e-3)
 
 
 def test_the_kernels_own_vnni_pairs_are_the_layout_onednn_packs():

@@ -108,3 +108,61 @@ def test_safe_run_names_are_taken(name):
 def test_unsafe_run_names_are_refused_with_what_is_allowed(name):
     with pytest.raises(BadInput, match=re.escape("letters, digits, '.', '_' or '-'")):
         check_run_id(name)
+
+
+PLUGIN = '''
+from bench.registry import Impl, register
+from impls.dense import Dense
+
+
+@register
+class MyKernel(Dense):
+    name = "my_identity_kernel"
+'''
+
+
+def test_editing_a_plugin_between_a_run_and_its_resume_is_refused_naming_the_file(tmp_path, capsys):
+    plugin = tmp_path / "my_kernel.py"
+    plugin.write_text(PLUGIN)
+    suite = write_suite(tmp_path, {**SUITE, "impls": ["my_identity_kernel"], "plugins": ["my_kernel.py"]})
+    assert main(["run", str(suite), "--out", str(tmp_path / "r"), "--run-id", "first"]) == 0
+    run_dir = tmp_path / "r" / "first"
+    records = read_jsonl(run_dir / "records.jsonl")
+    assert all(list(r["code"]) == [str(plugin)] for r in records)  # the plugin's digest on every record
+    _first_pair_only(run_dir)
+    before = (run_dir / "records.jsonl").read_bytes()
+    plugin.write_text(PLUGIN + "\n# a faster kernel, the author thinks\n")
+    capsys.readouterr()
+    assert main(["run", str(suite), "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"code: {plugin} changed (sha256" in " ".join(err.split()), err
+    assert (run_dir / "records.jsonl").read_bytes() == before
+
+
+def test_results_and_dashboards_do_not_make_a_tree_dirty(tmp_path):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    for name in ("results/run/records.jsonl", "dashboards/index.html", "bench.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("first\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    (tmp_path / "results/run/records.jsonl").write_text("more\n")
+    (tmp_path / "dashboards/index.html").write_text("re-rendered\n")
+    assert git_info(tmp_path).dirty is False
+    (tmp_path / "bench.py").write_text("changed\n")
+    assert git_info(tmp_path).dirty is True
+
+
+def test_an_installed_bench_reports_its_version_not_the_commit_of_the_directory_it_runs_in(tmp_path, monkeypatch):
+    from bench.measure import env
+
+    monkeypatch.delenv("BENCH_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(env, "PROJECT_ROOT", tmp_path / "site-packages")  # no checkout around the code
+    info = env.git_info()
+    assert info.commit is None and info.dirty is None
+    assert info.version == env._installed_version()

@@ -35,7 +35,8 @@ from bench.analysis.ab_sequential import (
     smallest_sequential_p,
 )
 from bench.analysis.compare import Change, figure_changes
-from bench.analysis.stats import busy_side, refuse_busy, seed_for
+from bench.analysis.stats import above_roof, busy_side, path_change, seed_for
+from bench.analysis.stats import judge as judge_pair
 from bench.console.format import format_duration
 from bench.errors import BadInput
 from bench.results.records import Record
@@ -79,6 +80,8 @@ class ABPair:
     trial_rounds: list[int] = field(default_factory=list)  # rounds in each trial
     not_repeated: bool = False  # the rounds read SLOWER or FASTER, but not two trials on their own
     busy: str | None = None  # a side timed on a busy machine: a change is NOISY, not SLOWER or FASTER
+    path: str | None = None  # the sides ran different code (a fallback, another path): PATH, never a change
+    above_roof: str | None = None  # a side's figure passes a roof: no gain is claimed from it
 
     @property
     def regression(self) -> bool:
@@ -183,7 +186,8 @@ def _pair_json(p: ABPair) -> dict[str, Any]:
     return {"case_id": p.case_id, "impl": p.impl, "label": p.label, "mode": p.mode, "base_status": p.base_status,
             "new_status": p.new_status, "verdict": p.verdict, "time": time, "time_note": p.time_note,
             "changes": [{"figure": c.figure, "base": c.base, "new": c.new, "kind": c.kind} for c in p.changes],
-            "regression": p.regression, "improvement": p.improvement, "reason": p.reason, "busy": p.busy}
+            "regression": p.regression, "improvement": p.improvement, "reason": p.reason, "busy": p.busy,
+            "path": p.path, "above_roof": p.above_roof}
 
 
 # --- the comparison ------------------------------------------------------------------------------------------
@@ -220,9 +224,12 @@ def compare_ab(measurement: ABMeasurement, *, threshold_pct: float = DEFAULT_THR
         pair, pm = pairs[i], measurement.pairs[i]
         pair.q_value, pair.verdict, pair.not_repeated = judged.q_value, judged.verdict, judged.not_repeated
         pair.mde = st.mde(pt.pooled, threshold, alpha)
-        pair.busy = busy_side([("BASE", [pm.base, *(b for b, _ in pm.more_records)]),
-                               ("NEW", [pm.new, *(n for _, n in pm.more_records)])])
-        pair.verdict = refuse_busy(pair.verdict, pair.busy)
+        base_records = [pm.base, *(b for b, _ in pm.more_records)]
+        new_records = [pm.new, *(n for _, n in pm.more_records)]
+        pair.busy = busy_side([("BASE", base_records), ("NEW", new_records)])
+        pair.path = path_change(base_records, new_records)
+        pair.above_roof = above_roof([("BASE", base_records), ("NEW", new_records)])
+        pair.verdict = judge_pair(pair.verdict, pair.busy, pair.path, pair.above_roof)
     only_base = [(p.case_id, p.impl, _status(p.base)) for p in measurement.only_base]
     only_new = [(p.case_id, p.impl, _status(p.new)) for p in measurement.only_new]
     notes = _notes(measurement, pairs, threshold, alpha, sum(pt.pooled.note is None for pt in timed.values()))
@@ -286,6 +293,14 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
     if m.left_open:
         notes.append(f"the time budget ({format_duration(m.budget_s)}) ran out with {m.left_open} pair(s) still open: "
                      "their verdicts are from the rounds they had (--budget-s, --max-rounds)")
+    paths = [p for p in pairs if p.path is not None]
+    if paths:
+        notes.append(f"{len(paths)} pair(s) ran different code on the two sides (e.g. {paths[0].impl}: "
+                     f"{paths[0].path}): verdict PATH, never a regression or a gain")
+    roofs = [p for p in pairs if p.above_roof is not None]
+    if roofs:
+        notes.append(f"{len(roofs)} pair(s) have a record above the roof (e.g. {roofs[0].above_roof}): no gain is "
+                     "claimed from them")
     busy = [p for p in pairs if p.busy is not None]
     if busy:
         notes.append(f"{len(busy)} pair(s) had a side timed on a busy machine (e.g. {busy[0].busy}): a change "

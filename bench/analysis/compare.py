@@ -356,10 +356,17 @@ def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRES
         if pair.time is not None:
             pair.verdict = cs.verdict(pair.time, pair.q_value if pair.q_value is not None else 1.0,
                                       threshold_pct / 100, alpha)
-            busy = cs.busy_side([("BASE", base.records[pair.key]), ("NEW", new.records[pair.key])])
-            if cs.refuse_busy(pair.verdict, busy) == cs.NOISY:
-                pair.verdict = cs.NOISY
+            b, n = base.records[pair.key], new.records[pair.key]
+            busy = cs.busy_side([("BASE", b), ("NEW", n)])
+            path, roof = cs.path_change(b, n), cs.above_roof([("BASE", b), ("NEW", n)])
+            judged = cs.judge(pair.verdict, busy, path, roof)
+            if judged == cs.PATH:
+                pair.notes.append(f"PATH: {path}")
+            elif judged == cs.NOISY and pair.verdict != cs.NOISY:
                 pair.notes.append(f"NOISY: {busy}; the time change is not called")
+            if roof is not None:
+                pair.notes.append(f"{roof}: no gain is claimed from it")
+            pair.verdict = judged
 
     only_base = [(c, i, pooled_status(r)) for (c, i), r in base.records.items() if (c, i) not in new.records]
     only_new = [(c, i, pooled_status(r)) for (c, i), r in new.records.items() if (c, i) not in base.records]

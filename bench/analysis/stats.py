@@ -35,7 +35,8 @@ from scipy import stats
 from bench.results.records import Record
 
 SLOWER, FASTER, SAME, AMBIGUOUS, NOISY = "SLOWER", "FASTER", "SAME", "AMBIGUOUS", "NOISY"
-VERDICTS = (SLOWER, FASTER, SAME, AMBIGUOUS, NOISY)
+PATH = "PATH"  # the sides ran different code (a fallback, another path): reported as such, never a change of speed
+VERDICTS = (SLOWER, FASTER, SAME, AMBIGUOUS, NOISY, PATH)
 MIN_SAMPLES = 3  # per side; below this neither the interval nor the test means anything
 N_RESAMPLES = 2000  # bootstrap resamples: the interval's ends move by < 1% of its width between seeds
 CONFIDENCE = 0.95
@@ -188,3 +189,36 @@ def busy_side(sides: Sequence[tuple[str, Sequence[Record | None]]]) -> str | Non
 def refuse_busy(verdict: str, busy: str | None) -> str:
     """The one rule of `bench compare` and `bench ab`: a change (SLOWER, FASTER) from a busy side is NOISY."""
     return NOISY if busy is not None and verdict in (SLOWER, FASTER) else verdict
+
+
+def _describe_path(records: Sequence[Record | None]) -> str:
+    paths = sorted({r.code_path for r in records if r is not None})
+    return " / ".join(", ".join(part for part in path if part) or "default" for path in paths)
+
+
+def path_change(base: Sequence[Record | None], new: Sequence[Record | None]) -> str | None:
+    """`different code paths: BASE kernel, NEW gather, fallback` where the sides' records ran different code
+    (Record.code_path), else None."""
+    b = {r.code_path for r in base if r is not None}
+    n = {r.code_path for r in new if r is not None}
+    if not b or not n or b == n:
+        return None
+    return f"different code paths: BASE {_describe_path(base)}, NEW {_describe_path(new)}; not compared"
+
+
+def above_roof(sides: Sequence[tuple[str, Sequence[Record | None]]]) -> str | None:
+    """`NEW above the roof (...)` for the first side with a record whose figure passes a roof, else None."""
+    for name, records in sides:
+        for r in records:
+            if r is not None and r.peak is not None and r.peak.above_roof:
+                return f"{name} above the roof ({r.peak.above_roof_reason})"
+    return None
+
+
+def judge(verdict: str, busy: str | None, path: str | None, roof: str | None) -> str:
+    """The rules `bench compare` and `bench ab` share past the statistics: different code paths are PATH, never a
+    change; a change from a busy side is NOISY; no gain is claimed from a record above the roof (AMBIGUOUS)."""
+    if path is not None:
+        return PATH
+    verdict = refuse_busy(verdict, busy)
+    return AMBIGUOUS if roof is not None and verdict == FASTER else verdict

@@ -26,7 +26,10 @@ from bench.inputs.spec import (
 from bench.inputs.structured import Needle, structured_inputs
 
 __all__ = ["INPUT_KINDS", "KNOB_NAMES", "CaseInputs", "InputsError", "InputsInfo", "InputsKind", "InputsShape",
-           "InputsSpec", "Needle", "StructuredKnobs", "make", "random_tensors"]
+           "InputsSpec", "Needle", "StructuredKnobs", "another_set", "make", "random_tensors"]
+
+# Seeds of the further input sets timed calls cycle through (bench.measure.cold): far from any case's own seed.
+OTHER_SET_SEED = 1_000_000_007
 
 
 @dataclass(frozen=True)
@@ -102,3 +105,16 @@ def make(spec: InputsSpec, shape: InputsShape, seed: int, dtype: torch.dtype, de
                        head_dim=shape.head_dim, seq_len=shape.seq_len, q_len=shape.q_len)
     q, k, v = (t.to(device=device, dtype=dtype) for t in files.load(spec, seq_len=shape.seq_len, q_len=shape.q_len))
     return CaseInputs(q, k, v, "file", seed, file=spec.file, file_sha256=spec.sha256, layer=spec.layer)
+
+
+def another_set(made: CaseInputs, spec: InputsSpec, shape: InputsShape, dtype: torch.dtype, device: str,
+                index: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """Other values for the same case, written into its tensors between timed calls (bench.measure.cold): drawn
+    again from another seed for the generated kinds (random, structured); for given tensors (a file, a workload)
+    the same tensors negated, which keeps every score q.k (so every selection and the work it implies) and
+    negates the output."""
+    seed = made.seed + index * OTHER_SET_SEED
+    if made.kind in ("random", "structured"):
+        other = make(spec, shape, seed, dtype, device)
+        return other.q, other.k, other.v
+    return -made.q, -made.k, -made.v

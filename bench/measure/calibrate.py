@@ -79,7 +79,7 @@ def copy_bandwidth(device: str, settings: Settings, timer: Timer | None = None) 
     import torch
 
     timer = timer or timer_for(device)
-    nbytes = settings.copy_bytes[device.split(":")[0]]
+    nbytes = _past_the_caches(settings.copy_bytes[device.split(":")[0]], device)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     stats = measure(lambda: dst.copy_(src), settings.policy, timer)
@@ -93,7 +93,7 @@ def read_bandwidth(device: str, settings: Settings, timer: Timer | None = None, 
     import torch
 
     timer = timer or timer_for(device)
-    nbytes = settings.copy_bytes[device.split(":")[0]] * 2
+    nbytes = _past_the_caches(settings.copy_bytes[device.split(":")[0]] * 2, device)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     previous = torch.get_num_threads()
     if threads is not None:
@@ -104,6 +104,17 @@ def read_bandwidth(device: str, settings: Settings, timer: Timer | None = None, 
         torch.set_num_threads(previous)
     return Bandwidth(bytes_per_s=nbytes / stats.median, bytes=nbytes, threads=threads or previous,
                      time_s=_brief(stats))
+
+
+def _past_the_caches(nbytes: int, device: str) -> int:
+    """At least four times the CPU's last-level cache (read from the machine), so that the buffer streams from
+    memory: a 512 MB read on a CPU with a 480 MB last-level cache would mostly measure the cache."""
+    if device.startswith("cuda"):
+        return nbytes
+    from bench.measure.cold import last_level_cache
+
+    llc = last_level_cache().bytes or 0
+    return max(nbytes, 4 * llc)
 
 
 def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings | None = None,
@@ -164,26 +175,44 @@ def load(results: Path, fingerprint: str) -> Calibration | None:
 # --- the peak a record is compared with ----------------------------------------------------------------------
 
 
+# A figure past a roof by more than this share is marked above it (timing noise and a calibration read a little
+# low stay under it).
+ABOVE_ROOF_MARGIN = 0.05
+# x86 features with which a CPU multiplies the dtype natively; without them torch's GEMM and our kernel widen the
+# inputs to float32, so the float32 rate is the roof (a "bfloat16 matmul rate" measured there times emulation)
+NATIVE_DOT = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
 def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
              calibration: Calibration | None, gpu: tuple[str, int] | None = None,
-             bytes_per_s: float | None = None, flops: float | None = None, bytes_moved: int | None = None
-             ) -> PeakInfo | None:
+             bytes_per_s: float | None = None, flops: float | None = None, bytes_moved: int | None = None,
+             cache: str = "cold", cpu_features: list[str] | None = None) -> PeakInfo | None:
     """The record's `peak`: the compute roof (the calibrated matmul rate of the dtype, else a known GPU's
     datasheet) and the memory roof (the calibrated all-thread read bandwidth, else the GPU's datasheet memory
-    bandwidth), the achieved fraction of each, and which roof binds (the larger of bytes / bandwidth and flops /
-    peak: the floor the call cannot go under). None when neither roof is known.
+    bandwidth), the achieved fraction of each, which roof binds (the larger of bytes / bandwidth and flops /
+    peak: the floor the call cannot go under), and `above_roof` where a fraction passes 1 + ABOVE_ROOF_MARGIN.
+    None when neither roof is known.
 
     `gpu`: (name, memory bytes) of the CUDA device, looked up in bench.measure.hardware for the datasheet figures.
+    `cpu_features`: the CPU's instruction-set features (bench.measure.env.cpu_info): a CPU without a native dot
+    product of the dtype is held to its float32 rate.
     """
     out: dict[str, Any] = {}
     rates = calibration.matmul if calibration is not None else {}
     key = "tf32" if device.startswith("cuda") and dtype == "float32" and tf32 and "tf32" in rates else dtype
+    widened = (not device.startswith("cuda") and cpu_features is not None and dtype in NATIVE_DOT
+               and any(f in cpu_features for f in ("avx2", "avx512f"))
+               and not any(f in cpu_features for f in NATIVE_DOT[dtype]) and "float32" in rates)
     spec = None
     if device.startswith("cuda") and gpu is not None:
         from bench.measure.hardware import match_gpu
 
         spec = match_gpu(*gpu)
-    if key in rates:
+    if widened:
+        out.update(peak_flops=max(rates["float32"].flops_per_s, rates[dtype].flops_per_s if dtype in rates else 0),
+                   source="calibrated", hardware=f"{calibration.device if calibration else None} float32 matmul "
+                                                 f"({dtype} widened: no {' or '.join(NATIVE_DOT[dtype])})")
+    elif key in rates:
         peak = rates[key].flops_per_s
         out.update(peak_flops=peak, source="calibrated", hardware=f"{calibration.device if calibration else None} "
                                                                    f"{key} matmul")
@@ -201,7 +230,33 @@ def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
         out["bandwidth_fraction"] = bytes_per_s / out["bandwidth"]
     if out.get("bandwidth") and out.get("peak_flops") and flops is not None and bytes_moved is not None:
         out["bound"] = "memory" if bytes_moved / out["bandwidth"] >= flops / out["peak_flops"] else "compute"
+    reason = above_roof_reason(out.get("fraction"), out.get("hardware"), out.get("bandwidth_fraction"), bytes_moved,
+                               cache)
+    if reason is not None:
+        out.update(above_roof=True, above_roof_reason=reason)
+    elif out.get("fraction") is not None or out.get("bandwidth_fraction") is not None:
+        out["above_roof"] = False
     return PeakInfo(**out) if out else None
+
+
+def above_roof_reason(fraction: float | None, compute_roof: str | None, bandwidth_fraction: float | None,
+                      bytes_moved: int | None, cache: str) -> str | None:
+    """Why a record's figure passes a roof by more than ABOVE_ROOF_MARGIN, or None when none does."""
+    limit = 1 + ABOVE_ROOF_MARGIN
+    reasons = []
+    if bandwidth_fraction is not None and bandwidth_fraction > limit:
+        size = f"{bytes_moved / 2**20:.3g} MiB" if bytes_moved is not None else "its working set"
+        why = ("the timing was warm: the call's working set (" + size + ") was read from the caches the last call "
+               "left it in") if cache == "warm" else (
+               "the timing was cold, so either a part of the working set (" + size + ") stayed in a cache the "
+               "eviction did not reach, the bytes counted exceed what the call must read, or the calibration read "
+               "low")
+        reasons.append(f"{bandwidth_fraction:.2f}x the calibrated read bandwidth: {why}")
+    if fraction is not None and fraction > limit:
+        reasons.append(f"{fraction:.2f}x the compute roof ({compute_roof}), which no attention call can pass: the "
+                       "roof was measured on a slower path than the call's (an emulated matmul) or the FLOPs are "
+                       "over-counted")
+    return "; ".join(reasons) if reasons else None
 
 
 def gpu_identity(device: str) -> tuple[str, int] | None:

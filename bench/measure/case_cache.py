@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from bench.inputs import CaseInputs
 from bench.inputs.paged import PagedKV
 from bench.measure.attention_stats import attention_statistics
@@ -28,6 +30,10 @@ class CaseCache:
     fidelity: FidelityInfo | None = None
     attention_stats: AttentionStats | None = None
     reference_selector_time: TimeStats | None = None  # a reference selector is timed once per case
+    # the values timed calls cycle through (bench.measure.timed_check): set 0 the case's own, then the others
+    input_sets: list[tuple[Tensor, ...]] | None = None
+    set_oracles: dict[tuple[str, int], OracleResults] = field(default_factory=dict)  # (step, set) -> answers
+    set_selections: dict[int, Selection] = field(default_factory=dict)  # the selector's choice of each set
 
     def input_bytes(self, case: Case) -> int:
         """Bytes of this case's inputs already allocated (0 when another case's are cached)."""

@@ -8,12 +8,14 @@ runs of different commits on the same machine share it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import os
 import platform
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +34,69 @@ def _git(*args: str, cwd: Path) -> str | None:
 
 
 def git_info(cwd: Path | None = None) -> GitInfo:
-    """Commit, branch and dirty flag of the repository holding this code (or cwd's), with the hash of the
-    uncommitted changes to tracked files when dirty (untracked files do not count, as for the flag); or nulls."""
+    """Commit, branch and dirty flag of the checkout holding this code (or of `cwd`), with the hash of the
+    uncommitted changes to tracked files when dirty (untracked files do not count, nor changes under results/ and
+    dashboards/, which runs write); an installed bench's version where this code is not a checkout's."""
     stated = stated_git()
     if stated is not None:
         return stated
-    for where in ([cwd] if cwd else []) + [PROJECT_ROOT, Path.cwd()]:
-        commit = _git("rev-parse", "HEAD", cwd=where)
-        if commit:
-            branch = _git("rev-parse", "--abbrev-ref", "HEAD", cwd=where)
-            status = _git("status", "--porcelain", "--untracked-files=no", cwd=where)
-            diff = _git_bytes("diff", "HEAD", "--binary", cwd=where) if status else None
-            return GitInfo(commit=commit, branch=branch, dirty=bool(status),
-                           diff_sha256=hashlib.sha256(diff).hexdigest() if diff is not None else None)
-    return GitInfo()
+    if cwd is None and not (PROJECT_ROOT / ".git").exists():
+        # an installed bench (not a checkout's): its version, never the commit of whatever directory it runs in
+        return GitInfo(version=_installed_version())
+    where = cwd or PROJECT_ROOT
+    commit = _git("rev-parse", "HEAD", cwd=where)
+    if not commit:
+        return GitInfo(version=_installed_version())
+    code_only = ["--", ".", *(f":(exclude){name}" for name in NOT_CODE)]
+    branch = _git("rev-parse", "--abbrev-ref", "HEAD", cwd=where)
+    status = _git("status", "--porcelain", "--untracked-files=no", *code_only, cwd=where)
+    diff = _git_bytes("diff", "HEAD", "--binary", *code_only, cwd=where) if status else None
+    return GitInfo(commit=commit, branch=branch, dirty=bool(status),
+                   diff_sha256=hashlib.sha256(diff).hexdigest() if diff is not None else None)
+
+
+def _installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("sparse-attention-bench")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# Changes under these do not make a tree dirty: they are what runs write (results, rendered dashboards), not code.
+NOT_CODE = ("results", "dashboards")
+
+
+def measured_code(plugins: list[str], base_dir: Path | None) -> dict[str, str]:
+    """sha256 of each file of measured code that git does not describe: the plugin files (and modules) a suite
+    imports, the FlashInfer-Bench solutions registered from a dataset, and untracked files under impls/. Keyed by
+    path (relative to the working directory where it lies below it)."""
+    files: list[Path] = []
+    for spec in plugins:
+        if spec.endswith(".py"):
+            files.append(((base_dir or Path.cwd()) / spec).resolve())
+            continue
+        module = sys.modules.get(spec)
+        origin = getattr(module, "__file__", None)
+        if origin and Path(origin).name == "__init__.py":
+            files += sorted(Path(origin).parent.rglob("*.py"))
+        elif origin:
+            files.append(Path(origin))
+    for root in filter(None, os.environ.get("BENCH_FLASHINFER_SOLUTIONS", "").split(os.pathsep)):
+        files += sorted((Path(root) / "solutions").rglob("*.json"))
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", "impls", cwd=PROJECT_ROOT)
+    files += [PROJECT_ROOT / line for line in (untracked or "").splitlines() if line.strip()]
+    out: dict[str, str] = {}
+    for path in files:
+        if path.is_file() and not path.is_relative_to(PROJECT_ROOT / "bench"):
+            out[_shown(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def stated_git() -> GitInfo | None:
@@ -95,6 +146,12 @@ def cpu_info() -> CpuInfo:
         usable = os.cpu_count()
     return CpuInfo(model=model, logical_cores=os.cpu_count(), usable_cores=usable, machine=platform.machine(),
                    features=[f for f in CPU_FEATURES if f in flags], torch_threads=torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> list[str]:
+    """This CPU's instruction-set features among CPU_FEATURES (read once per process)."""
+    return list(cpu_info().features)
 
 
 def versions() -> Versions:

@@ -35,8 +35,9 @@ from bench.inputs import InputsInfo
 from bench.measure import flops as flop_counts
 from bench.measure.calibrate import gpu_identity, peak_for
 from bench.measure.case_cache import CaseCache, case_attention_stats
+from bench.measure.cold import InputSets, TimedCalls, evictor_for, timing_info
 from bench.measure.contention import ContentionMeter, wait_for_quiet
-from bench.measure.env import device_description
+from bench.measure.env import cpu_features, device_description
 from bench.measure.fidelity import fidelity
 from bench.measure.fresh_memory import (
     REFERENCE_NOTE,
@@ -64,6 +65,7 @@ from bench.measure.steps import (
     skip_reason,
 )
 from bench.measure.task import Task
+from bench.measure.timed_check import StepKind, check_kept, input_sets
 from bench.measure.timing import Timer, TimingPolicy, measure, summarize, timer_for
 from bench.results.records import (
     AttentionStats,
@@ -76,6 +78,7 @@ from bench.results.records import (
     SelectionInfo,
     SetupTimes,
     TimeStats,
+    TimingInfo,
     TrainingInfo,
 )
 from bench.results.store import utc_now
@@ -111,6 +114,7 @@ class RecordDraft(BaseModel):
     time_fwd_s: float | None = None
     time_bwd_s: float | None = None
     flops_bwd: float | None = None
+    timing: TimingInfo | None = None
 
 
 class PairSession:
@@ -135,6 +139,9 @@ class PairSession:
         self.problem: str | None = None
         self.samples: list[float] = []
         self.contention = ContentionMeter()  # over the timed calls only
+        self.sets: InputSets | None = None  # the values timed calls cycle through (bench.measure.cold)
+        self.timed: list[tuple[StepKind | None, TimedCalls]] = []  # every timed step, with what its outputs are
+        self.block_calls: TimedCalls | None = None  # bench ab's blocks: one run of calls across the blocks
 
     def _finish(self, **fields: Any) -> Record:
         if fields.get("status") == "failed":
@@ -193,7 +200,11 @@ class PairSession:
         if final is not None:
             return final
         if self.timer is None:
-            self.timer = timer_for(case.device)
+            self.timer = timer_for(case.device, self.task.measure.cache)
+        try:
+            self.sets = input_sets(self.prepared.staged, self.cache, self.task.measure.rotate)
+        except Exception as exc:
+            return self.failed(exc)
         return None
 
     def _stage(self) -> StagedCase:
@@ -267,29 +278,59 @@ class PairSession:
             self.contention.waited_s = wait_for_quiet(self.task.measure.wait_for_quiet_s)
         self.contention.start()
         selected = self.prepared is not None and self.prepared.steps is not None
-        time_s = self._time_selected(policy) if selected else measure(self.step, policy, self.timer)
+        time_s = self._time_selected(policy) if selected else measure(self.step, policy, self.calls("call", policy))
         if self.case.mode == "fwd_bwd":
             self._time_phases(policy)
         self.contention.stop()
+        self.check_timed()
         return time_s, monitor.stop() if monitor is not None else None
 
+    def calls(self, step: StepKind | None, policy: TimingPolicy) -> TimedCalls:
+        """A run of timed calls of one step: fresh inputs and cold caches before each, the outputs of `step`'s
+        calls to check kept (None: not checked), one drawn among the calls the policy surely makes."""
+        assert self.timer is not None
+        calls = TimedCalls(self.timer, self.sets, evictor_for(self.case.device, self.task.measure.cache),
+                           check_from=policy.warmup, check_to=policy.warmup + policy.repeat)
+        self.timed.append((step, calls))
+        return calls
+
+    def check_timed(self) -> None:
+        """The kept outputs of the timed calls against the oracle for their own inputs; the record's `timing`."""
+        assert self.prepared is not None
+        self._phase("timed check")
+        checked, worst = 0, None
+        for step, calls in self.timed:
+            kept = calls.to_check() if step is not None else []
+            if kept:
+                rel_l2, problem = check_kept(self.prepared, self.cache, self.sets, kept, step or "call",
+                                             self.task.measure.check)
+                checked += len(kept)
+                worst = rel_l2 if worst is None or (rel_l2 is not None and rel_l2 > worst) else worst
+                self.problem = self.problem or problem
+            calls.release()
+        if self.sets is not None:
+            self.sets.load(0)  # what the memory step, quality and the case's next implementation read
+        self.draft.timing = timing_info(self.task.measure.cache, self.case.device, self.sets, checked,
+                                        [calls for _, calls in self.timed], worst)
+
     def _time_phases(self, policy: TimingPolicy) -> None:
-        assert self.prepared is not None and self.timer is not None
-        self.draft.time_fwd_s, self.draft.time_bwd_s = phase_medians(self.prepared, policy, self.timer)
+        assert self.prepared is not None
+        self.draft.time_fwd_s, self.draft.time_bwd_s = phase_medians(self.prepared, policy, self.calls)
         self.draft.flops_bwd = flop_counts.backward_flops(self.case, self.cache.for_case(self.case).nnz)
 
     def _time_selected(self, policy: TimingPolicy) -> TimeStats:
-        assert self.prepared is not None and self.timer is not None
+        assert self.prepared is not None
         density = self.draft.fidelity.density if self.draft.fidelity is not None else None
-        end_to_end, self.draft.selection = selected_times(self.prepared, policy, self.timer, self.case,
+        end_to_end, self.draft.selection = selected_times(self.prepared, self.calls, policy, self.case,
                                                           self.cache, density)
         return end_to_end
 
     def warm_up(self, calls: int) -> None:
-        assert self.timer is not None
+        if self.block_calls is None:  # the drawn call to check is one of the first blocks' (after the warm-up)
+            self.block_calls = self.calls("call", TimingPolicy(warmup=calls, repeat=3))
         self._enter("warm-up")
         for _ in range(calls):
-            self.timer.time_call(self.step)
+            self.block_calls.time_call(self.step)
         self.waiting()
 
     def waiting(self) -> None:
@@ -300,19 +341,23 @@ class PairSession:
         """`calls` timed calls (more until `min_s` has passed), for interleaved A/B rounds; kept for the record."""
         assert self.timer is not None
         self._enter("timing")
+        if self.block_calls is None:
+            self.block_calls = self.calls("call", TimingPolicy(warmup=0, repeat=3))
         samples: list[float] = []
         self.contention.start()
         start = self.timer.clock()
         while len(samples) < calls or self.timer.clock() - start < min_s:
-            samples.append(self.timer.time_call(self.step))
+            samples.append(self.block_calls.time_call(self.step))
         self.contention.stop()
         self.samples += samples
         self.waiting()
         return samples
 
     def close_blocks(self) -> Record:
-        """The record of a pair timed in blocks (`bench ab`): every block's samples, then memory."""
+        """The record of a pair timed in blocks (`bench ab`): every block's samples, the timed calls' check, then
+        memory."""
         try:
+            self.check_timed()
             memory = self.memory()
         except Exception as exc:
             return self.failed(exc)
@@ -367,7 +412,7 @@ class PairSession:
         bytes_per_s = draft.bytes / time_s.median if draft.bytes is not None and time_s.median > 0 else None
         peak = peak_for(flops_per_s, self.case.dtype, self.case.device, self.impl.tf32(self.case),
                         self.task.measure.calibration, gpu_identity(self.case.device), bytes_per_s, draft.flops,
-                        draft.bytes)
+                        draft.bytes, self.task.measure.cache, cpu_features())
         return self._finish(status="incorrect" if self.problem else "ok", reason=self.problem, time_s=time_s,
                             memory=memory, flops_per_s=flops_per_s, env=device_state, peak=peak,
                             contention=self.contention.result(self.case.device, device_state))

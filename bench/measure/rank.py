@@ -31,8 +31,10 @@ from bench import registry
 from bench.comm.communicator import Communicator, use
 from bench.comm.sharding import DistributedImpl, Shard
 from bench.errors import Unavailable
+from bench.inputs import another_set
 from bench.measure import flops as flop_counts
 from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, rows_only
+from bench.measure.cold import InputSets, TimedCalls, evictor_for, timing_info
 from bench.measure.contention import ContentionMeter
 from bench.measure.env import device_description
 from bench.measure.memory import measure_peak
@@ -40,7 +42,7 @@ from bench.measure.numerics import strict_problem
 from bench.measure.prepare import prepare_case, stage_case
 from bench.measure.rank_part import CaseFigures, ExpectedComm, LevelCount, OpCount, RankPart
 from bench.measure.reference import tolerance_for
-from bench.measure.steps import call_inputs, describe_failure, failure_kind, policy_of, skip_reason
+from bench.measure.steps import call_inputs, describe_failure, failure_kind, make_inputs, policy_of, skip_reason
 from bench.measure.task import Task
 from bench.measure.timing import CpuTimer, measure
 from bench.measure.topology import node_label, node_of_rank
@@ -93,10 +95,10 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
         comm.node_of_rank = node_of_rank(ctx.control, ctx.world_size, out.node)
         pattern = case.make_pattern()
         with use(comm):
-            step = _prepare_and_check(task, case, impl, pattern, ctx, comm, phases, out)
-            _count_and_time(task, case, impl, pattern, ctx, comm, step, phases, out)
+            held = _prepare_and_check(task, case, impl, pattern, ctx, comm, phases, out)
+            _count_and_time(task, case, impl, pattern, ctx, comm, held, phases, out)
             phases.enter("memory")
-            out.memory = measure_peak(step, ctx.device)
+            out.memory = measure_peak(held.step, ctx.device)
     except Unavailable as exc:
         return out.model_copy(update={"status": "skipped", "reason": exc.reason})
     except Exception as exc:
@@ -115,11 +117,28 @@ def measure_on_rank(task: Task, ctx: RankContext, phase: Phase = lambda p: None)
     return out
 
 
+@dataclass
+class _RankCase:
+    """What a rank holds of its pair after the first call: the timed step, its inputs and their sets, the shards."""
+
+    step: Callable[[], Any]
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    sets: InputSets | None
+    shards: tuple[list[Shard], list[Shard]]  # every rank's part of q and the output, and of k and v
+
+
 def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: Pattern, ctx: RankContext,
-                       comm: Communicator, phases: _Phases, out: RankPart) -> Callable[[], Any]:
-    """Inputs, prepare and the first call (bench.measure.prepare, as every caller), the oracle check (gathered
-    to rank 0, uncounted); the timed step."""
-    q, k, v, grad_out = call_inputs(case)
+                       comm: Communicator, phases: _Phases, out: RankPart) -> _RankCase:
+    """Inputs and their other sets, prepare and the first call (bench.measure.prepare, as every caller), the oracle
+    check (gathered to rank 0, uncounted); the timed step."""
+    made = make_inputs(case)
+    q, k, v, grad_out = call_inputs(case, made)
+    sets = None
+    if task.measure.rotate:  # every rank draws the same sets from the case's seed
+        sets = InputSets.of((q, k, v), [another_set(made, case.inputs, case.inputs_shape(), case.torch_dtype,
+                                                    case.device)])
     shards = [impl.shard(case, r) for r in range(ctx.world_size)]
     kv_shards = [impl.kv_shard(case, r) for r in range(ctx.world_size)]
     mine = shards[ctx.rank]
@@ -141,13 +160,15 @@ def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: P
         out.problem = out.problem or strict_problem(out.error, task.measure.numerics)
     del result, held
     prepared.call.first_output = None
-    return prepared.step
+    return _RankCase(prepared.step, q, k, v, sets, (shards, kv_shards))
 
 
 def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Pattern, ctx: RankContext,
-                    comm: Communicator, step: Callable[[], Any], phases: _Phases, out: RankPart) -> None:
-    """One step counted op by op, then the timed steps (the slowest rank's time per sample), each op's time and
-    hidden time per step, this rank's own step time and useful work, and the contention while timed."""
+                    comm: Communicator, held: _RankCase, phases: _Phases, out: RankPart) -> None:
+    """One step counted op by op, then the timed steps (the slowest rank's time per sample) on fresh inputs and
+    cold caches, their kept outputs checked, each op's time and hidden time per step, this rank's own step time
+    and useful work, and the contention while timed."""
+    step = held.step
     phases.enter("comm")
     comm.reset()
     step()
@@ -159,17 +180,25 @@ def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Patt
 
     phases.enter("timing")
     policy = policy_of(task.measure)
-    timer = RankTimer(ctx)
+    timer = RankTimer(ctx, task.measure.cache)
+    nodes = comm.node_of_rank
+    first_on_node = nodes is None or nodes.index(nodes[ctx.rank]) == ctx.rank
+    # the ranks of a node share its last-level cache: the first one evicts it for all (before the barrier)
+    evict = evictor_for(ctx.device, task.measure.cache) if first_on_node else None
+    calls = TimedCalls(timer, held.sets, evict, check_from=policy.warmup, check_to=policy.warmup + policy.repeat)
+    calls.drawn = _same_on_every_rank(calls.drawn, ctx)
     for _ in range(policy.warmup):
-        timer.time_call(step)
+        calls.time_call(step)
     comm.reset()
     timer.own.clear()
     meter = ContentionMeter()
     meter.start()
-    out.time_s = measure(step, replace(policy, warmup=0), timer)
+    out.time_s = measure(step, replace(policy, warmup=0), calls)
     meter.stop()
     out.contention = meter.result(ctx.device)
     timed = comm.snapshot()
+    with comm.paused():
+        _check_timed(task, case, impl, pattern, ctx, held, calls, out)
     n = out.time_s.n
     # op time (and its hidden part) per step, averaged over the timed steps
     out.comm = {op: OpCount(calls=int(stats["calls"]), bytes_sent=int(stats["bytes_sent"]),
@@ -178,6 +207,37 @@ def _count_and_time(task: Task, case: Case, impl: DistributedImpl, pattern: Patt
     out.step_s = sum(timer.own) / len(timer.own) if timer.own else None
     out.pairs = impl.rank_pairs(case, pattern, ctx.rank)
     out.flops = flop_counts.attention_flops(case, out.pairs) / case.heads
+
+
+def _same_on_every_rank(drawn: int | None, ctx: RankContext) -> int | None:
+    """Rank 0's draw of the call to check, for every rank (each rank takes part in gathering its output)."""
+    value = torch.tensor([-1 if drawn is None else drawn], dtype=torch.int64)
+    torch.distributed.broadcast(value, torch.distributed.get_global_rank(ctx.control, 0), group=ctx.control)
+    return None if int(value) < 0 else int(value)
+
+
+def _check_timed(task: Task, case: Case, impl: registry.Impl, pattern: Pattern, ctx: RankContext,
+                 held: _RankCase, calls: TimedCalls, out: RankPart) -> None:
+    """Each kept output of a timed call gathered to rank 0 and checked there against the oracle for the input set
+    it was given (bench.measure.timed_check says why); rank 0's part gets the record's `timing`."""
+    q_shards = held.shards[0]
+    worst, kept = None, calls.to_check()
+    for call in kept:
+        if held.sets is not None:
+            held.sets.load(call.input_set)
+        shard = _held_output(call.output, q_shards[ctx.rank], case)
+        error, problem = _check(case, impl, pattern, ctx, held.shards, held.q, held.k, held.v, call.output, shard,
+                                None, full=task.measure.check)
+        if error is not None and error.rel_l2 is not None:
+            worst = error.rel_l2 if worst is None else max(worst, error.rel_l2)
+        if problem and out.problem is None:
+            out.problem = (f"a timed call's output differed from the float64 oracle for its own inputs (timed call "
+                           f"{call.index + 1}, input set {call.input_set}): {problem}; the first call's output is "
+                           "not what was timed")
+    calls.release()
+    if held.sets is not None:
+        held.sets.load(0)
+    out.timing = timing_info(task.measure.cache, ctx.device, held.sets, len(kept), [calls], worst)
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -205,7 +265,7 @@ def _held_output(result: Any, shard: Shard, case: Case) -> Tensor:
 class RankTimer:
     """bench.measure.timing's Timer protocol across ranks: barrier, time the call, keep the slowest rank's time."""
 
-    def __init__(self, ctx: RankContext) -> None:
+    def __init__(self, ctx: RankContext, cache: str = "cold") -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -213,29 +273,34 @@ class RankTimer:
         self.root = dist.get_global_rank(ctx.control, 0)
         self.own: list[float] = []  # this rank's own call times (the samples are the slowest rank's)
         self._flush = None
-        if ctx.device == "cuda":
+        self.cuda = ctx.device == "cuda"
+        if self.cuda and cache == "cold":
             from bench.measure.timing import CudaTimer
 
             self._flush = CudaTimer().flush_l2
 
-    def time_call(self, fn: Callable[[], Any]) -> float:
+    def run(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self._flush is not None:
             self._flush()  # outside the timed interval, as in bench.measure.timing.CudaTimer
+        if self.cuda:
             torch.cuda.synchronize()
         self.dist.barrier(group=self.ctx.control)
-        if self._flush is not None:
+        if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            result = fn()
             end.record()
             end.synchronize()
             seconds = start.elapsed_time(end) / 1e3
         else:
-            seconds = CpuTimer().time_call(fn)
+            seconds, result = CpuTimer().run(fn)
         self.own.append(seconds)
         slowest = torch.tensor([seconds], dtype=torch.float64)
         self.dist.all_reduce(slowest, op=self.dist.ReduceOp.MAX, group=self.ctx.control)
-        return float(slowest)
+        return float(slowest), result
+
+    def time_call(self, fn: Callable[[], Any]) -> float:
+        return self.run(fn)[0]
 
     def clock(self) -> float:
         now = torch.tensor([time.perf_counter()], dtype=torch.float64)

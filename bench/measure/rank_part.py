@@ -14,6 +14,7 @@ from bench.results.records import (
     MemoryInfo,
     SetupTimes,
     TimeStats,
+    TimingInfo,
 )
 
 _STRICT = ConfigDict(extra="forbid")
@@ -78,6 +79,7 @@ class RankPart(BaseModel):
     comm: dict[str, OpCount] = Field(default_factory=dict)  # per op, with op and hidden time per timed step
     time_s: TimeStats | None = None  # the slowest rank's samples (the same on every rank)
     contention: ContentionInfo | None = None
+    timing: TimingInfo | None = None  # rank 0: how the calls were timed and how many of their outputs were checked
     step_s: float | None = None  # this rank's own mean step time
     pairs: int | None = None  # this rank's useful (query head, row, key) triples
     flops: float | None = None

@@ -57,7 +57,8 @@ def assemble_record(task: Task, parts: Sequence[RankPart], backend: str, started
     return finish(**root.base.model_dump(), status="incorrect" if root.problem else "ok", reason=root.problem,
                   time_s=time_s, setup_s=max(p.setup_s or 0.0 for p in parts), setup=root.setup, memory=memory,
                   comm=comm, error=root.error, device=f"{root.device} x{world} ranks ({backend})", config=config,
-                  contention=busy, flops_per_s=flops / time_s.median if time_s.median > 0 else None)
+                  contention=busy, flops_per_s=flops / time_s.median if time_s.median > 0 else None,
+                  timing=root.timing)
 
 
 def imbalance(values: list[float]) -> float | None:

@@ -126,22 +126,24 @@ def prepare_with(make: Callable[[], Callable[[], Any]], impl: registry.Impl, cas
 
 def timed_step(fn: Callable[[], Tensor], q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor | None,
                upstream: Callable[[Tensor], Tensor] | None = None) -> Callable[[], Any]:
-    """What is timed: the call, or in fwd_bwd the call and its backward from `grad_out`.
+    """What is timed: the call, or in fwd_bwd the call and its backward from `grad_out` (returning the output).
 
     `upstream(result)` picks the part of grad_out matching what the call returned (a rank's shard).
     """
     if grad_out is None:
         return fn
 
-    def fwd_bwd() -> None:
+    def fwd_bwd() -> Tensor:
         q.grad = k.grad = v.grad = None
         result = fn()
         result.backward(grad_out if upstream is None else upstream(result))
+        return result.detach()  # the output, for the check of timed calls
 
     return fwd_bwd
 
 
 def policy_of(measure_settings: Any) -> TimingPolicy:
+    """The suite's warm-up, repeat and time budget as a TimingPolicy."""
     return TimingPolicy(warmup=measure_settings.warmup, repeat=measure_settings.repeat,
                         max_time_s=measure_settings.max_time_s)
 

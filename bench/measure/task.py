@@ -32,6 +32,8 @@ class MeasureSettings(BaseModel):
     attention_stats: bool = False  # the records carry the attention statistics of the case's inputs
     wait_for_quiet_s: float = 0.0  # before timing, wait up to this long for the CPU pressure to fall
     numerics: Literal["report", "strict"] = "report"  # strict: worse than the same-dtype reference is incorrect
+    cache: Literal["cold", "warm"] = "cold"  # cold: caches evicted before every timed call (bench.measure.cold)
+    rotate: bool = True  # inputs refreshed in place from seeded sets between timed calls
     calibration: Calibration | None = None
 
 

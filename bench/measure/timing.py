@@ -7,7 +7,9 @@ achieved precision is recorded with the raw samples. First-call, compile and aut
 bench.measure.pair times prepare + the first call as `setup_s` before this module sees the callable.
 
 On CUDA each sample is bracketed by device events and the L2 cache is flushed before each call, outside the
-events, so no call finds the previous call's data warm in L2. On CPU the host clock brackets the call.
+events, so no call finds the previous call's data warm in L2 (unless the suite asks for `cache: warm`). On CPU the
+host clock brackets the call; the CPU caches' eviction and the fresh inputs between calls are bench.measure.cold's,
+around this timer.
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ class TimingPolicy:
 
 
 class Timer(Protocol):
-    """Times one call of fn, in seconds. `clock()` is the wall clock used for the sampling budget."""
+    """Times one call of fn, in seconds (`run` also gives what it returned). `clock()` is the wall clock used for
+    the sampling budget."""
 
     def time_call(self, fn: Callable[[], Any]) -> float: ...
+
+    def run(self, fn: Callable[[], Any]) -> tuple[float, Any]: ...
 
     def clock(self) -> float: ...
 
@@ -51,22 +56,32 @@ class Timer(Protocol):
 class CpuTimer:
     """Host clock around the call (CPU work is synchronous).
 
-    The call's result is released after the second clock reading, so freeing its output is not timed (as
+    The call's result is handed back after the second clock reading, so freeing its output is not timed (as
     on CUDA, where the caching allocator frees asynchronously).
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
 
-    def time_call(self, fn: Callable[[], Any]) -> float:
+    def run(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         start = self._clock()
         result = fn()
-        elapsed = self._clock() - start
-        del result
-        return elapsed
+        return self._clock() - start, result
+
+    def time_call(self, fn: Callable[[], Any]) -> float:
+        return self.run(fn)[0]
 
     def clock(self) -> float:
         return self._clock()
+
+
+def cuda_l2_bytes(torch_module: Any = None, device: Any = None) -> int:
+    """The current CUDA device's L2 size (DEFAULT_L2_BYTES where it reports none)."""
+    if torch_module is None:
+        import torch as torch_module
+    cuda = torch_module.cuda
+    device = torch_module.device("cuda", cuda.current_device()) if device is None else device
+    return int(getattr(cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
 
 
 class CudaTimer:
@@ -75,19 +90,19 @@ class CudaTimer:
     The flush reads a buffer twice the size of the device's L2 cache, which evicts whatever the previous
     call left there (Triton's do_bench and nvbench do the same with a write; a read is enough to evict).
     The flush kernel is enqueued before the start event on the same stream, so the events cannot see it.
-    `torch_module` is for tests (a fake with the same `cuda` surface).
+    `flush=False` is a warm timing (`measure: {cache: warm}`). `torch_module` is for tests (a fake with the same
+    `cuda` surface).
     """
 
-    def __init__(self, device: Any = None, torch_module: Any = None, clock: Callable[[], float] = time.perf_counter
-                 ) -> None:
+    def __init__(self, device: Any = None, torch_module: Any = None, clock: Callable[[], float] = time.perf_counter,
+                 flush: bool = True) -> None:
         if torch_module is None:
             import torch as torch_module
         self._torch = torch_module
         cuda = torch_module.cuda
         self.device = torch_module.device("cuda", cuda.current_device()) if device is None else device
-        props = cuda.get_device_properties(self.device)
-        l2_bytes = int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
-        self.flush_bytes = 2 * l2_bytes
+        self.flush = flush
+        self.flush_bytes = 2 * cuda_l2_bytes(torch_module, self.device)
         self._flush_buffer = torch_module.ones(self.flush_bytes // 4, dtype=torch_module.float32, device=self.device)
         self._sink = torch_module.empty((), dtype=torch_module.float32, device=self.device)
         self._clock = clock
@@ -95,24 +110,29 @@ class CudaTimer:
     def flush_l2(self) -> None:
         self._torch.sum(self._flush_buffer, dim=0, out=self._sink)
 
-    def time_call(self, fn: Callable[[], Any]) -> float:
+    def run(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         cuda = self._torch.cuda
-        self.flush_l2()
+        if self.flush:
+            self.flush_l2()
         start = cuda.Event(enable_timing=True)
         end = cuda.Event(enable_timing=True)
         start.record()
         result = fn()
         end.record()
         end.synchronize()
-        del result
-        return start.elapsed_time(end) / 1e3  # ms -> s
+        return start.elapsed_time(end) / 1e3, result  # ms -> s
+
+    def time_call(self, fn: Callable[[], Any]) -> float:
+        return self.run(fn)[0]
 
     def clock(self) -> float:
         return self._clock()
 
 
-def timer_for(device: str) -> Timer:
-    return CudaTimer() if device.startswith("cuda") else CpuTimer()
+def timer_for(device: str, cache: str = "cold") -> Timer:
+    """The device's timer; on CUDA it flushes the L2 before each call unless `cache` is warm (the CPU's eviction
+    is bench.measure.cold's, around the timer)."""
+    return CudaTimer(flush=cache == "cold") if device.startswith("cuda") else CpuTimer()
 
 
 def median_ci_ranks(n: int) -> tuple[int, int] | None:

@@ -26,6 +26,7 @@ class GitInfo(BaseModel):
     branch: str | None = None
     dirty: bool | None = None
     diff_sha256: str | None = None
+    version: str | None = None  # an installed (not a checkout's) bench: its package version, no commit
 
 
 class HostInfo(BaseModel):
@@ -180,12 +181,13 @@ class Environment(BaseModel):
     calibration: Calibration | None = None
     modelled_hardware: dict[str, Any] | None = None  # a modelled run (bench model): the card's datasheet figures
     load: RunLoad | None = None  # a measured run: the machine's load at its start and end
+    code: dict[str, str] | None = None  # sha256 per file of measured code git does not describe (plugins, ...)
 
     @model_serializer(mode="wrap")
     def _without_absent_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """run.json has `calibration`, `modelled_hardware` and `load` only when the run has them."""
+        """run.json has `calibration`, `modelled_hardware`, `load` and `code` only when the run has them."""
         data = handler(self)
-        for optional in ("calibration", "modelled_hardware", "load"):
+        for optional in ("calibration", "modelled_hardware", "load", "code"):
             if data.get(optional) is None:
                 data.pop(optional, None)
         return data

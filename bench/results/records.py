@@ -37,7 +37,7 @@ __all__ = ["AttentionStats", "CommInfo", "CommLevel", "CommOp", "ContentionInfo"
            "ErrorInfo", "FailureKind", "FidelityInfo", "GpuIdentity", "GpuState", "GradError", "GradFidelity",
            "InputsInfo", "LinkBytes", "MemoryInfo", "PeakInfo", "QualityInfo", "RankComm", "Record", "RecordGit",
            "RunInfo", "SelectionInfo", "SetupTimes", "Spread", "Status", "StoppedBy", "SuiteInfo", "TimeStats",
-           "Topology", "TrainingInfo"]
+           "TimingInfo", "Topology", "TrainingInfo"]
 
 
 class TimeStats(BaseModel):
@@ -56,6 +56,21 @@ class TimeStats(BaseModel):
     ci95: list[float] | None = None  # distribution-free 95% CI of the median
     rel_ci95: float | None = None  # its half-width over the median: the achieved precision
     stopped_by: StoppedBy | None = None  # blocks: interleaved A/B blocks (bench ab); model: bench model
+
+
+class TimingInfo(BaseModel):
+    """How the timed calls were made (bench.measure.cold): the cache state they started from, the input sets they
+    cycled through, how many of their outputs were checked against the oracle."""
+
+    model_config = _STRICT
+    cache: Literal["cold", "warm"]  # cold: the caches evicted before every timed call
+    rotated_sets: int  # input sets the calls cycled through, written in place between calls (1: rotation off)
+    checked_calls: int  # timed calls whose output was compared with the oracle for its own inputs
+    llc_bytes: int | None = None  # the cache evicted: the CPU's last-level cache, a GPU's L2
+    llc_source: str | None = None  # where its size was read
+    evict_bytes: int | None = None  # written and read before each timed call (null: warm)
+    prep_s: float | None = None  # the harness's untimed seconds per call: inputs written, caches evicted
+    checked_rel_l2: float | None = None  # the worst rel_l2 of the checked calls' outputs
 
 
 class MemoryInfo(BaseModel):
@@ -108,6 +123,10 @@ class PeakInfo(BaseModel):
     bandwidth_source: str | None = None  # "calibrated all-thread read" or a GPU's datasheet memory bandwidth
     bandwidth_fraction: float | None = None
     bound: Literal["memory", "compute"] | None = None
+    # past a roof by more than 5%: a figure no call can reach from memory (a working set within the last-level
+    # cache, a warm timing) or a roof measured wrong; no target, speed-up or gain is claimed from such a record
+    above_roof: bool | None = None
+    above_roof_reason: str | None = None
 
 
 class SetupTimes(BaseModel):
@@ -246,15 +265,33 @@ class Record(BaseModel):
     fidelity: FidelityInfo | None = None  # a case with a selector
     contention: ContentionInfo | None = None  # measured pairs: was the machine busy while they were timed
     git: RecordGit | None = None  # the code that measured it (null in records written before R4)
+    code: dict[str, str] | None = None  # sha256 per file of measured code git does not describe (plugins, ...)
     time_fwd_s: float | None = None  # fwd_bwd: the forward's median alone (the step's phase split)
     time_bwd_s: float | None = None  # fwd_bwd: the backward's median alone, after an untimed forward
     flops_bwd: float | None = None  # fwd_bwd: the backward's useful FLOPs, 2.5x the forward (FlashAttention's)
     quality: QualityInfo | None = None  # a case with a model: the model scored with this attention ([R4 2/6])
     training: TrainingInfo | None = None  # a case with a model and train: the training run ([R4 3/6])
+    timing: TimingInfo | None = None  # how the timed calls were made: cache state, input sets, checked outputs
 
     @property
     def busy(self) -> bool:
         return self.contention is not None and self.contention.verdict == "busy"
+
+    @property
+    def fallback(self) -> dict[str, Any] | None:
+        """{path, reason} where the implementation measured a slower path than its own under its name."""
+        value = (self.config or {}).get("fallback")
+        return value if isinstance(value, dict) else None
+
+    @property
+    def code_path(self) -> tuple[str, ...]:
+        """What code measured the record, as far as the record says: the implementation's path, its fallback, the
+        Triton interpreter, compiled or not. Two records of a pair with different code paths are not compared."""
+        config = self.config or {}
+        compiled = str(config.get("compiled", ""))
+        return (str(config.get("path", "")), "fallback" if self.fallback is not None else "",
+                "interpreter" if self.interpreter else "",
+                "uncompiled" if compiled.startswith("uncompiled") else "compiled" if compiled else "")
 
     @model_validator(mode="before")
     @classmethod

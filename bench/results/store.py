@@ -85,17 +85,20 @@ def create_run_dir(root: Path, suite_name: str, commit: str) -> tuple[str, Path]
 
 
 class RecordWriter:
-    """Appends records to records.jsonl, each flushed and fsynced before `append` returns; `git`: the code that
-    measured them, stamped on every record that does not say it already."""
+    """Appends records to records.jsonl, each flushed and fsynced before `append` returns; `git` (the commit) and
+    `code` (digests of measured code outside git): the code that measured them, stamped on every record that does
+    not say it already."""
 
-    def __init__(self, path: Path, git: RecordGit | None = None) -> None:
+    def __init__(self, path: Path, git: RecordGit | None = None, code: dict[str, str] | None = None) -> None:
         self.path = Path(path)
-        self.git = git
+        self.git, self.code = git, code
         self._file = open(self.path, "ab")  # noqa: SIM115 - held open for the run
 
     def append(self, record: Record) -> None:
         if record.git is None and self.git is not None:
             record = record.model_copy(update={"git": self.git})
+        if record.code is None and self.code:
+            record = record.model_copy(update={"code": self.code})
         line = record.to_json().encode("utf-8") + b"\n"
         self._file.write(line)
         self._file.flush()

@@ -7,6 +7,7 @@ output is not a terminal each finished (case, impl) is one plain line, which CI 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -25,6 +26,12 @@ from bench.console.terminal import STATUS_STYLE
 from bench.results.records import Record
 
 BUSY_MARK = "!"  # a time measured while the machine was busy
+ABOVE_ROOF_MARK = "ABOVE THE ROOF:"  # a figure past what the memory or the matmul unit delivers: claims nothing
+ROOF_MARK = "^"  # the summary's mark of such a figure
+
+
+def _above(record: Record) -> bool:
+    return record.peak is not None and bool(record.peak.above_roof)
 
 
 def describe(record: Record) -> str:
@@ -33,6 +40,8 @@ def describe(record: Record) -> str:
         extra = " (interpreter)" if record.interpreter else ""
         if record.busy and record.contention is not None:
             extra += f" (busy: {record.contention.reason})"
+        if record.peak is not None and record.peak.above_roof:
+            extra += f" ({ABOVE_ROOF_MARK} {record.peak.above_roof_reason})"
         return f"ok {format_seconds(record.time_s.median)}{roof(record)}{extra}"
     return f"{record.status}: {record.reason}"
 
@@ -103,7 +112,7 @@ def _cell(r: Record | None) -> tuple[str, str | None]:
     if r is None:
         return "-", None
     if r.status == "ok" and r.time_s:
-        mark = ("*" if r.interpreter else "") + (BUSY_MARK if r.busy else "")
+        mark = ("*" if r.interpreter else "") + (BUSY_MARK if r.busy else "") + (ROOF_MARK if _above(r) else "")
         return f"{format_seconds(r.time_s.median)}{mark}", "green"
     return r.status, STATUS_STYLE[r.status]
 
@@ -129,6 +138,9 @@ def summary_table(records: Iterable[Record], case_labels: dict[str, str], impls:
         if any(r.interpreter for r in shown) else []
     if any(r.busy for r in shown):
         captions.append(f"{BUSY_MARK} timed while the machine was busy (record's contention): not to be trusted")
+    if any(_above(r) for r in shown):
+        captions.append(f"{ROOF_MARK} above the roof (record's peak.above_roof_reason): a figure no call reaches from "
+                        "memory, claiming nothing")
     table.caption = "; ".join(captions) or None
     return table
 
@@ -164,6 +176,23 @@ def busy_line(records: list[Record]) -> str | None:
            "are not to be trusted"
 
 
+def fallback_lines(records: list[Record]) -> list[str]:
+    """One line per implementation that measured a slower path under its own name (`config.fallback`): how many of
+    its pairs, which path, and the first reason."""
+    by_impl: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        fallback = r.fallback
+        if fallback is not None:
+            by_impl.setdefault(r.impl, []).append(fallback)
+    lines = []
+    for impl, seen in by_impl.items():
+        paths = sorted({str(f.get("path")) for f in seen})
+        measured = sum(r.impl == impl and r.status in ("ok", "incorrect") for r in records)
+        lines.append(f"{impl} FELL BACK in {len(seen)} of {measured} measured pairs (path {', '.join(paths)}): "
+                     f"{seen[0].get('reason')}")
+    return lines
+
+
 def print_summary(console: Console, records: list[Record], case_labels: dict[str, str], impls: list[str]) -> None:
     for table in summary_tables(records, case_labels, impls, console.width):
         console.print(table)
@@ -172,6 +201,12 @@ def print_summary(console: Console, records: list[Record], case_labels: dict[str
     line = busy_line(records)
     if line is not None:
         console.print(f"[yellow]{line}[/]", highlight=False)
+    for fallback in fallback_lines(records):
+        console.print(f"[yellow]{escape(fallback)}[/]", highlight=False)
+    above = [r for r in records if _above(r)]
+    if above:
+        console.print(f"[yellow]{len(above)} record(s) above the roof (marked {ROOF_MARK}): no target, speed-up or "
+                      "gain is claimed from them[/]", highlight=False)
     for r in records:
         if r.status in ("failed", "incorrect"):
             console.print(f"[{STATUS_STYLE[r.status]}]{r.status}[/] {escape(r.case_id)} {escape(r.impl)}: "

@@ -3,7 +3,9 @@
 Records of one run are comparable with each other only if they were measured by the same code on the same
 machine from the same suite. So a run is identified by its suite content, the commit its code came from, whether
 tracked files differed from that commit (and then the hash of the difference: two dirty trees are two codes), and
-the machine's fingerprint (bench.results.environment.FINGERPRINT_FIELDS). `--resume` and `--shard` add records to
+the machine's fingerprint (bench.results.environment.FINGERPRINT_FIELDS), and the sha256 of each file of measured
+code git does not describe (`env.code`: the suite's plugins, registered solutions, untracked files under impls/:
+a plugin edited between a run and its `--resume` is another code). `--resume` and `--shard` add records to
 an existing run only when all of these are equal here; otherwise they refuse (exit 2) naming what differs, since
 a store that silently mixes commits or machines is worse than none. Each record also carries `git` {commit,
 dirty}.
@@ -35,7 +37,7 @@ def check_run_id(run_id: str) -> str:
 
 
 def record_git(git: GitInfo) -> RecordGit:
-    """What each record says of the code that measured it."""
+    """What each record says of the commit that measured it."""
     return RecordGit(commit=git.commit, dirty=git.dirty)
 
 
@@ -66,6 +68,19 @@ def same_content(stored: dict, suite: Suite) -> bool:
     return again.content == suite.content
 
 
+def _measured_code_differences(stored: dict[str, str] | None, here: dict[str, str] | None) -> list[str]:
+    """One line per file of measured code outside git (a plugin, a solution, an untracked file under impls/) that
+    was added, removed or changed since the run was made."""
+    stored, here = stored or {}, here or {}
+    found = []
+    for name in sorted(set(stored) | set(here)):
+        if stored.get(name) != here.get(name):
+            what = "is new" if name not in stored else "is gone" if name not in here else \
+                f"changed (sha256 {stored[name][:12]} -> {here[name][:12]})"
+            found.append(f"code: {name} {what} since the run was made")
+    return found
+
+
 def differences(info: RunInfo, suite: Suite, here: Environment) -> list[str]:
     """What differs between a stored run and a run of `suite` started here now: its suite, its code, the
     machine (each fingerprinted field that differs); empty when they are the same run."""
@@ -74,6 +89,7 @@ def differences(info: RunInfo, suite: Suite, here: Environment) -> list[str]:
         found.append(f"suite: the run was made from suite {info.suite.name!r} with other content than "
                      f"{suite.name!r} here")
     found += _code_differences(info.env.git, here.git)
+    found += _measured_code_differences(info.env.code, here.code)
     machine = info.env.differences(here)
     if machine:
         found.append("machine: " + "; ".join(machine))

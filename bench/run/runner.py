@@ -23,7 +23,7 @@ from rich.table import Table
 from bench import registry
 from bench.errors import BadInput
 from bench.measure.contention import machine_load
-from bench.measure.env import capture, git_info
+from bench.measure.env import capture, git_info, measured_code
 from bench.measure.task import MeasureSettings, Task
 from bench.results.environment import RunLoad
 from bench.results.records import Record, RunInfo, SuiteInfo
@@ -184,7 +184,7 @@ def _measure_pairs(todo: list[Pair], suite: Suite, options: RunOptions, target: 
     new_records: list[Record] = []
     measurer = PairMeasurer(plugins, run_dir / "worker.log", suite.measure.timeout_s)
     try:
-        with RecordWriter(run_dir / target.records_file, record_git(info.env.git)) as writer:
+        with RecordWriter(run_dir / target.records_file, record_git(info.env.git), info.env.code) as writer:
             for pair in todo:
                 task = task_for(pair, options.device, settings)
                 reporter.start(labels[pair.case.case_id], pair.impl)
@@ -273,7 +273,7 @@ def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
 def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id: str, run_dir: Path) -> None:
     backend = backend_of(suite, options.device)
     env = capture(backend=backend)
-    env = env.model_copy(update={"load": RunLoad(start=machine_load())})
+    env = env.model_copy(update={"load": RunLoad(start=machine_load()), "code": _code_of(suite)})
     if suite.measure.calibrate:
         console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
     dtypes = sorted({c.dtype for c in suite.cases})
@@ -290,8 +290,13 @@ def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id:
 
 def _check_same_run(run_dir: Path, suite: Suite, device: str | None, option: str) -> None:
     """BadInput naming what differs when this process may not add records to the run (bench.run.identity)."""
-    here = capture(backend=backend_of(suite, device))
+    here = capture(backend=backend_of(suite, device)).model_copy(update={"code": _code_of(suite)})
     check_same_run(read_run_info(run_dir), suite, here, str(run_dir), option)
+
+
+def _code_of(suite: Suite) -> dict[str, str] | None:
+    """The digests of the suite's measured code outside git (bench.measure.env.measured_code); None when none."""
+    return measured_code(suite.plugins, suite.path.parent if suite.path else None) or None
 
 
 def _read_existing(run_dir: Path, own: str, console: Console) -> list[Record]:

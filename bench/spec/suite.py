@@ -113,6 +113,10 @@ class Measure(BaseModel):
     # report each tensor's error against a same-dtype reference (bench.measure.numerics); strict: a ratio above 2
     # makes the record incorrect
     numerics: Literal["report", "strict"] = "report"
+    # cold: the caches evicted before every timed call (bench.measure.cold); warm is a choice the records state
+    cache: Literal["cold", "warm"] = "cold"
+    # the timed calls' inputs refreshed in place from seeded sets between calls; false: the same values every call
+    rotate: StrictBool = True
 
 
 class SweepBlock(BaseModel):

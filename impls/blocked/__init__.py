@@ -93,6 +93,7 @@ class Blocked(Impl):
         scale = softmax_scale(case.head_dim)
         mod = kernel_score_mod(case)  # None without one; the decode kernel applies none: the block kernel does
         # decode: K/V read in place (impls/blocked/decode.py)
+        decode_missing: str | None = None  # why the decode kernel, wanted for this case, cannot run it
         if nq <= DECODE_ROWS and case.mode == "fwd" and mod is None:
             with setup_phase("compile"):
                 missing = decode_unavailable(q, case.mode)
@@ -101,6 +102,7 @@ class Blocked(Impl):
                     plan = pattern_plan(pattern.dense_mask(), b * hkv, case.block_size)
                 self._extras = self._decode_extras(case, plan, pattern)
                 return lambda: decode_attention(plan, q, k, v, scale)[0]
+            decode_missing = missing if self.decode_ready(case) else None
         table: BlockTable | None = None  # inference through the CPU kernel (`kernel`): the pattern's block table
         kernel_missing: str | None = None  # why the kernel, wanted, cannot run
         if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
@@ -123,8 +125,11 @@ class Blocked(Impl):
                         "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
                         "group_size": group, **_computed(shown, table, case, pattern, q, n, group, mod is not None)}
+        if decode_missing is not None:
+            self._extras["fallback"] = {"path": self._extras["path"], "reason": f"the decode kernel: {decode_missing}"}
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
+            self._extras["fallback"] = {"path": self._extras["path"], "reason": f"the CPU kernel: {kernel_missing}"}
             if mod is not None:
                 from bench.errors import Unavailable
 
@@ -226,9 +231,11 @@ class Blocked(Impl):
         products = kernel_products(q.dtype, bs, d, False) if kernel_missing is None else None
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
+        wanted = case.mode == "fwd" and kernel_wanted(q.dtype, q.device)  # the kernel would take a block selection
 
         def attend(selection):
             self._extras.pop("products", None)  # set again below where the block kernel runs
+            self._extras.pop("fallback", None)
             if selection.kv_unit not in (1, bs):  # pages (blocked/pages.py): each (row, head) a paged decode
                 if page_rows_unavailable(selection, pattern, q, k, case.mode) is None:
                     self._extras["path"] = "page_rows"
@@ -242,6 +249,9 @@ class Blocked(Impl):
                 self._extras["path"] = "token_union"
                 return token_attention(selection, pattern, q, k, v, scale)
             if kernel_missing is not None:
+                if wanted:
+                    self._extras["fallback"] = {"path": "gather_selected",
+                                                "reason": f"the CPU kernel: {kernel_missing}"}
                 return gathered_attention(selection, pattern, q, k, v, scale, bs)
             self._extras["products"] = products
             task_heads, per_query_head = tasks_of(selection, h, hkv)

@@ -150,6 +150,85 @@ struct PortableEngine {
   static void finish(float*, int64_t, int64_t) {}
 };
 
+#if defined(CPU_CAPABILITY_AVX2)
+// ---- AVX2: 8 keys' dot products reduced together, float32 FMAs (bfloat16 widened) ----------------------------
+
+// [sum of a[0]'s lanes, ..., sum of a[7]'s lanes]: horizontal adds of pairs, then the two 128-bit halves added.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <typename T>
+inline __m256 load8(const T* p) {  // 8 elements as floats
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+}
+
+// The FmaEngine below on 8-float vectors: a group's 16 keys as two reductions of 8, P V in tiles of 32 columns
+// (AVX2's 16 registers hold 2 rows x 4 vectors of outputs beside the value vectors).
+template <typename T>
+struct Avx2FmaEngine {
+  using P = float;
+  static void qk(const float* q, int64_t rows, const T* k, const Group& g, int64_t d, float scale,
+                 const MaskRows& mr, float* s, int64_t lds, bool /*quads*/) {
+    const int64_t last = g.valid - 1;  // rows past the group's last are never read: its last row stands in
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * d;
+      float* sr = s + r * lds;
+      for (int half = 0; half < GK / 8; ++half) {
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const T* row = k + key_row(g, std::min<int64_t>(half * 8 + t, last), d);
+          __m256 a = _mm256_mul_ps(load8(row), _mm256_loadu_ps(qr));
+          for (int64_t x = 8; x < d; x += 8) a = _mm256_fmadd_ps(load8(row + x), _mm256_loadu_ps(qr + x), a);
+          acc[t] = a;
+        }
+        _mm256_storeu_ps(sr + half * 8, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
+      }
+      for (int64_t t = 0; t < GK; ++t)  // the keys row r may not see: -inf
+        if (t >= g.valid || !(g.full || mr.base[(r % mr.rows) * mr.n + g.first + t])) sr[t] = NEG_INF;
+    }
+  }
+  static void to_p(const float* e, int64_t n, float* p) { std::memcpy(p, e, n * sizeof(float)); }
+  template <int NR>
+  static void pv_tile(const float* p, int64_t ldp, const T* v, const Group* g, int64_t ng, int64_t d, int64_t x0,
+                      float* o) {
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_loadu_ps(o + r * d + x0 + 8 * i);
+    for (int64_t gi = 0; gi < ng; ++gi)
+      for (int64_t t = 0; t < g[gi].valid; ++t) {
+        const T* row = v + key_row(g[gi], t, d) + x0;
+        __m256 vv[4];
+        for (int i = 0; i < 4; ++i) vv[i] = load8(row + 8 * i);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 pr = _mm256_set1_ps(p[r * ldp + gi * GK + t]);
+          for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(pr, vv[i], acc[r][i]);
+        }
+      }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + r * d + x0 + 8 * i, acc[r][i]);
+  }
+  // d is a multiple of 32 (HEAD_DIM_MULTIPLE)
+  static void pv(const float* p, int64_t ldp, int64_t rows, const T* v, const Group* g, int64_t ng, int64_t d,
+                 float* o) {
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2)
+      for (int64_t x0 = 0; x0 < d; x0 += 32) pv_tile<2>(p + r * ldp, ldp, v, g, ng, d, x0, o + r * d);
+    if (r < rows)
+      for (int64_t x0 = 0; x0 < d; x0 += 32) pv_tile<1>(p + r * ldp, ldp, v, g, ng, d, x0, o + r * d);
+  }
+  static void finish(float*, int64_t, int64_t) {}
+};
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- AVX512: 16 keys' dot products reduced together ---------------------------------------------------------
 
@@ -715,6 +794,9 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
         run(at::BFloat16{}, FmaEngine<at::BFloat16>{}, qfp);
       }
       break;
+#elif defined(CPU_CAPABILITY_AVX2)
+    case at::kFloat: run(float{}, Avx2FmaEngine<float>{}, qfp); break;
+    case at::kBFloat16: run(at::BFloat16{}, Avx2FmaEngine<at::BFloat16>{}, qfp); break;
 #else
     case at::kFloat: run(float{}, PortableEngine<float>{}, qfp); break;
     case at::kBFloat16: run(at::BFloat16{}, PortableEngine<at::BFloat16>{}, qfp); break;
@@ -776,6 +858,8 @@ std::string engine_name(py::object dtype, bool bf16_dot) {
 #if defined(CPU_CAPABILITY_AVX512)
   const bool bf16 = torch::python::detail::py_object_to_dtype(dtype) == at::kBFloat16;
   return bf16 && bf16_dot ? "avx512_bf16_dot" : "avx512_fma";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "avx2_fma";
 #else
   return "portable";
 #endif

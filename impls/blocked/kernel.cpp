@@ -295,40 +295,63 @@ inline bool values_in_place(int64_t j, int64_t bs, int64_t n) {
   return !kVnni<T> && (j + 1) * bs <= n;
 }
 
+// A run of n stored values (S) as the operand type (T): a copy, or bfloat16 widened to float32 (a shift per value).
+template <typename S, typename T>
+inline void operand_rows(const S* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, T>) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
 // K and V of every (head, key block) as the B operands of the two products, zero padded past N:
 // K_j^T (D x bs) and V_j (bs x D). own_pairs: written here even where oneDNN's packer exists (AMX), for the test
-// that the two layouts agree; where the packer exists it is used otherwise.
-template <typename T>
+// that the two layouts agree; where the packer exists it is used otherwise. S is the stored dtype, T the operands':
+// bfloat16 on a CPU without bfloat16 products is widened to float32 block by block here (T float, S bfloat16), so
+// the products run on float32 FMAs and the widened copy lives only in the packed blocks.
+template <typename T, typename S = T>
 struct BlockPacker {
-  const T* k;
-  const T* v;
+  const S* k;
+  const S* v;
   T* kp;
   T* vp;
   int64_t n, d, bs, nkb;
   bool library;  // through oneDNN's packer
 
-  BlockPacker(const T* k, const T* v, T* kp, T* vp, int64_t n, int64_t d, int64_t bs, bool own_pairs)
+  BlockPacker(const S* k, const S* v, T* kp, T* vp, int64_t n, int64_t d, int64_t bs, bool own_pairs)
       : k(k), v(v), kp(kp), vp(vp), n(n), d(d), bs(bs), nkb((n + bs - 1) / bs), library(library_packs() && !own_pairs) {}
+
+  static constexpr bool kWidened = !std::is_same_v<T, S>;
 
   static bool library_packs() {
     static const bool packs = kVnni<T> && at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
     return packs;
   }
 
-  // Scratch for oneDNN's packer, one per thread.
+  // Scratch for oneDNN's packer and for a widened block's rows, one per thread.
   struct Scratch {
-    std::vector<T> kt, vb, plain;
+    std::vector<T> kt, vb, plain, wide;
   };
   Scratch scratch() const {
     return {std::vector<T>(library ? d * bs : 0), std::vector<T>(library ? bs * d : 0),
-            std::vector<T>(library ? std::max(d, bs) * NB : 0)};
+            std::vector<T>(library ? std::max(d, bs) * NB : 0), std::vector<T>(kWidened ? bs * d : 0)};
   }
 
   // Block j of KV head h.
   void pack(int64_t h, int64_t j, Scratch& s) const {
     const int64_t block = h * nkb + j, valid = std::min(bs, n - j * bs);
-    const T* kj = k + (h * n + j * bs) * d;
-    const T* vj = v + (h * n + j * bs) * d;
+    const S* kj_stored = k + (h * n + j * bs) * d;
+    const S* vj_stored = v + (h * n + j * bs) * d;
+    if constexpr (kWidened) {  // the block's rows widened, then packed as float32 operands
+      operand_rows(kj_stored, s.wide.data(), valid * d);
+      pack_keys(s.wide.data(), d, bs, valid, kp + block * d * bs);
+      operand_rows(vj_stored, s.wide.data(), valid * d);
+      pack_values(s.wide.data(), d, bs, valid, vp + block * bs * d);
+      return;
+    }
+    const T* kj = reinterpret_cast<const T*>(kj_stored);
+    const T* vj = reinterpret_cast<const T*>(vj_stored);
     if (!library) {
       pack_keys(kj, d, bs, valid, kp + block * d * bs);
       if (!values_in_place<T>(j, bs, n)) pack_values(vj, d, bs, valid, vp + block * bs * d);
@@ -354,14 +377,14 @@ struct BlockPacker {
 // Blocks packed where a task first needs them (pack_late), inside the tasks' own parallel region: the block is
 // then in the cache for its first readers, where a pass over every block before the tasks sent the packed copy
 // to memory and back. A state per (KV head, block): 0 not packed, 1 being packed, 2 packed.
-template <typename T>
+template <typename T, typename S = T>
 struct LatePacking {
-  const BlockPacker<T>& packer;
+  const BlockPacker<T, S>& packer;
   std::atomic<uint8_t>* state;
 
   // The blocks of KV head h that a task reads, packed by whoever needs them first; the others wait for the one
   // packing (a block: a microsecond or two).
-  void need(int64_t h, const int32_t* blocks, int64_t count, typename BlockPacker<T>::Scratch& s) const {
+  void need(int64_t h, const int32_t* blocks, int64_t count, typename BlockPacker<T, S>::Scratch& s) const {
     for (int64_t c = 0; c < count; ++c) {
       std::atomic<uint8_t>& st = state[h * packer.nkb + blocks[c]];
       if (st.load(std::memory_order_acquire) == 2) continue;
@@ -693,14 +716,16 @@ inline void finish_row(float* o, float inv, T* out, int64_t d, bool stream) {
 // (a selection per query row, run over the union of its block's rows' blocks). lse (optional): each row's
 // log-sum-exp of its allowed scaled scores, -inf for a row without keys. dot: the products on the dot tiles
 // (dot_rows; dot_products said they may run), else on oneDNN's GEMMs. late: K and V packed as the tasks first
-// need them (pack_late), else packed already.
-template <typename T>
-void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
+// need them (pack_late), else packed already. q, v and out are in the stored dtype S, the packed operands and the
+// products in T (BlockPacker: bfloat16 widened to float32 where the CPU has no bfloat16 products).
+template <typename T, typename S = T>
+void attend(const S* q, const T* kp, const T* vp, const S* v, S* out, int64_t heads, int64_t g, int64_t nq, int64_t n,
             int64_t d, int64_t bs, const int32_t* kv_index, const int32_t* kv_count, int64_t max_kv,
             const int32_t* mask_slot, const uint64_t* mask_bits, int64_t mask_words, float scale, int64_t tables,
             int64_t heads_per_kv,
             const int64_t* row_bits, float* lse, int64_t tm, float softcap, const float* dist_bias,
-            int64_t bias_heads, int64_t q_offset, bool dot, const int32_t* mask_extent, const LatePacking<T>* late) {
+            int64_t bias_heads, int64_t q_offset, bool dot, const int32_t* mask_extent, const LatePacking<T, S>* late) {
+  constexpr bool same = std::is_same_v<T, S>;
   const bool modified = softcap > 0.f || dist_bias != nullptr;
   const float score_scale = modified ? 1.f : scale;  // modified scores are scaled already
   const int64_t nqb = (nq + tm - 1) / tm, nkb = (n + bs - 1) / bs;  // nqb: query tiles of tm rows
@@ -709,7 +734,7 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
   // process slows takes fewer, and a selection's costlier tiles are not all one thread's.
   const int64_t tasks = heads * nqb, slots = std::min<int64_t>(at::get_num_threads(), tasks);
   const int64_t chunk = std::max<int64_t>(1, tasks / (std::max<int64_t>(slots, 1) * 64));
-  const bool stream = stream_output(heads * g * nq * d * static_cast<int64_t>(sizeof(T)));
+  const bool stream = stream_output(heads * g * nq * d * static_cast<int64_t>(sizeof(S)));
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
     if (slot_begin >= slot_end) return;
@@ -720,7 +745,7 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
     std::vector<int32_t> span(dot ? 2 * CHUNK : 0);
     std::vector<PvSpan> pv(dot ? CHUNK : 0);
 #endif
-    auto scratch = late != nullptr ? late->packer.scratch() : typename BlockPacker<T>::Scratch{};
+    auto scratch = late != nullptr ? late->packer.scratch() : typename BlockPacker<T, S>::Scratch{};
     for (int64_t first = next_task.fetch_add(chunk); first < tasks; first = next_task.fetch_add(chunk)) {
       for (int64_t task = first; task < std::min(tasks, first + chunk); ++task) {
         const int64_t h = task / nqb, r = task % nqb;
@@ -729,21 +754,22 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
         const int64_t rows = std::min(tm, nq - r * tm), mm = g * rows;
         const int64_t mask_row = (r * tm) % bs;  // the tile's first row inside its base query block's masks
         // tile row gi * rows + t = query head gi's row r*tm + t: read where it lies when the G heads' rows are
-        // one run of q (one head, or all of q_len in one tile), else copied together
-        const bool in_place = g == 1 || rows == nq;
-        const T* tile_q = in_place ? q + (h * g * nq + r * tm) * d : qt.data();
+        // one run of q (one head, or all of q_len in one tile) of the operands' dtype, else copied together
+        // (and widened)
+        const bool in_place = same && (g == 1 || rows == nq);
+        const T* tile_q = in_place ? reinterpret_cast<const T*>(q + (h * g * nq + r * tm) * d) : qt.data();
         for (int64_t gi = 0; gi < (in_place ? 0 : g); ++gi)
-          std::memcpy(qt.data() + gi * rows * d, q + ((h * g + gi) * nq + r * tm) * d, rows * d * sizeof(T));
+          operand_rows(q + ((h * g + gi) * nq + r * tm) * d, qt.data() + gi * rows * d, rows * d);
         std::fill(o.begin(), o.begin() + mm * d, 0.f);
         std::fill(m.begin(), m.begin() + mm, NEG_INF);
         std::fill(l.begin(), l.begin() + mm, 0.f);
         const int64_t count = kv_count[(tables == 1 ? 0 : h) * nqb + r];
         if (late != nullptr) late->need(kvh, kv_index + slot0, count, scratch);
 #if defined(CPU_CAPABILITY_AVX512)
-        if constexpr (!std::is_same_v<T, at::Half>) {
+        if constexpr (!std::is_same_v<T, at::Half> && same) {
           if (dot) {
             const DotTask<T> tile{reinterpret_cast<const uint32_t*>(tile_q), kp + kvh * nkb * d * bs,
-                                  vp + kvh * nkb * bs * d, v + kvh * n * d, kv_index + slot0, mask_slot + slot0,
+                                  vp + kvh * nkb * bs * d, reinterpret_cast<const T*>(v) + kvh * n * d, kv_index + slot0, mask_slot + slot0,
                                   row_bits == nullptr ? nullptr : row_bits + slot0, count, rows, mask_row};
             const DotMasks dm{mask_bits, mask_words, mask_extent};
             for (int64_t r0 = 0; r0 < mm; r0 += TileShape<T>::rows)
@@ -797,8 +823,8 @@ void attend(const T* q, const T* kp, const T* vp, const T* v, T* out, int64_t he
           const T* p = kVnni<T> ? pt.data() : reinterpret_cast<const T*>(s.data());
           for (int64_t c = 0; c < nc; ++c) {
             const int64_t j = kv_index[slot0 + c0 + c];
-            if (values_in_place<T>(j, bs, n)) {
-              const T* vj = v + (kvh * n + j * bs) * d;
+            if (same && values_in_place<T>(j, bs, n)) {
+              const T* vj = reinterpret_cast<const T*>(v) + (kvh * n + j * bs) * d;
               for (int64_t n0 = 0; n0 < d; n0 += NB)
                 brgemm(mm, std::min(NB, d - n0), bs, width, d, d, true, p + c * bs, vj + n0, o.data() + n0, false);
             } else {
@@ -841,14 +867,16 @@ bool dot_products(at::ScalarType dtype, int64_t bs, int64_t d, bool modified, bo
 // block-sparse view) or H (one per head: a selection); masks bool (P, bs, bs); row_bits int64 (T, tiles,
 // max_kv) or empty (module comment of attend). own_pairs: the 16-bit VNNI pairs written by pack_b even where
 // oneDNN's packer exists. dot_tiles: the kernel's own dot-product tiles allowed (bfloat16: the caller checked that
-// the CPU has AVX512-BF16; dot_products says where they then run). Returns (out (H, G, Nq, D), lse (H, G, Nq)
+// the CPU has AVX512-BF16; dot_products says where they then run). widen: bfloat16 computed on float32 operands,
+// widened as the blocks are packed (a CPU with neither AMX nor AVX512-BF16, where a bfloat16 GEMM is emulated). Returns (out (H, G, Nq, D), lse (H, G, Nq)
 // float32).
 std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& kv_index, const torch::Tensor& kv_count,
                                            const torch::Tensor& mask_slot, const torch::Tensor& masks, double scale,
                                            int64_t bs, bool own_pairs, int64_t heads_per_kv,
                                            const torch::Tensor& row_bits, int64_t tile_rows, double softcap,
-                                           const torch::Tensor& dist_bias, int64_t q_offset, bool dot_tiles) {
+                                           const torch::Tensor& dist_bias, int64_t q_offset, bool dot_tiles,
+                                           bool widen) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "q (H, G, Nq, D), k and v (H, N, D)");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -877,7 +905,8 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
               "masks (P, bs, bs), contiguous");
   const int64_t mask_words = (bs + 63) / 64;
   const std::vector<uint64_t> mask_bits = mask_bit_rows(masks, bs, mask_words);
-  const bool dot = dot_products(q.scalar_type(), bs, d, biased || softcap > 0.0, dot_tiles);
+  const bool widened = widen && q.scalar_type() == at::kBFloat16;  // float32 operands (BlockPacker)
+  const bool dot = !widened && dot_products(q.scalar_type(), bs, d, biased || softcap > 0.0, dot_tiles);
   std::vector<int32_t> extent(dot ? 2 * masks.size(0) * bs : 0);  // each mask row's allowed keys [first, last + 1)
   for (int64_t row = 0; dot && row < masks.size(0) * bs; ++row) {
     const uint64_t* w = mask_bits.data() + row * mask_words;
@@ -893,27 +922,32 @@ std::vector<torch::Tensor> block_attention(const torch::Tensor& q, const torch::
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, g, nq}, q.options().dtype(at::kFloat));
   const int64_t kv_heads = k.size(0);
-  const bool late = pack_late(2 * kv_heads * nkb * bs * d * k.element_size());
-  auto kp = torch::empty({kv_heads * nkb * d * bs}, k.options());
-  auto vp = torch::empty({kv_heads * nkb * bs * d}, k.options());
+  const auto operands = k.options().dtype(widened ? at::kFloat : k.scalar_type());
+  const bool late = pack_late(2 * kv_heads * nkb * bs * d * (widened ? 4 : k.element_size()));
+  auto kp = torch::empty({kv_heads * nkb * d * bs}, operands);
+  auto vp = torch::empty({kv_heads * nkb * bs * d}, operands);
   std::vector<std::atomic<uint8_t>> packed(late ? kv_heads * nkb : 0);  // LatePacking's states, 0: not packed
-  auto table = [&](auto tag) {
+  auto table = [&](auto tag, auto stored) {
     using T = decltype(tag);
-    const BlockPacker<T> packer(k.data_ptr<T>(), v.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), n, d, bs,
-                                own_pairs);
-    const LatePacking<T> late_packing{packer, packed.data()};
+    using S = decltype(stored);
+    const BlockPacker<T, S> packer(k.data_ptr<S>(), v.data_ptr<S>(), kp.data_ptr<T>(), vp.data_ptr<T>(), n, d,
+                                   bs, own_pairs);
+    const LatePacking<T, S> late_packing{packer, packed.data()};
     if (!late) packer.pack_all(kv_heads);
-    attend<T>(q.data_ptr<T>(), kp.data_ptr<T>(), vp.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(), heads, g, nq,
-              n, d, bs, kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv,
-              mask_slot.data_ptr<int32_t>(), mask_bits.data(), mask_words, static_cast<float>(scale), tables,
-              heads_per_kv, bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm,
-              static_cast<float>(softcap), biased ? dist_bias.data_ptr<float>() : nullptr,
-              biased ? dist_bias.size(0) : 1, q_offset, dot, extent.data(), late ? &late_packing : nullptr);
+    attend<T, S>(q.data_ptr<S>(), kp.data_ptr<T>(), vp.data_ptr<T>(), v.data_ptr<S>(), out.data_ptr<S>(), heads, g,
+                 nq, n, d, bs, kv_index.data_ptr<int32_t>(), kv_count.data_ptr<int32_t>(), max_kv,
+                 mask_slot.data_ptr<int32_t>(), mask_bits.data(), mask_words, static_cast<float>(scale), tables,
+                 heads_per_kv, bits ? row_bits.data_ptr<int64_t>() : nullptr, lse.data_ptr<float>(), tm,
+                 static_cast<float>(softcap), biased ? dist_bias.data_ptr<float>() : nullptr,
+                 biased ? dist_bias.size(0) : 1, q_offset, dot, extent.data(), late ? &late_packing : nullptr);
   };
   switch (q.scalar_type()) {
-    case at::kFloat: table(float{}); break;
-    case at::kBFloat16: table(at::BFloat16{}); break;
-    case at::kHalf: table(at::Half{}); break;
+    case at::kFloat: table(float{}, float{}); break;
+    case at::kBFloat16:
+      if (widened) table(float{}, at::BFloat16{});
+      else table(at::BFloat16{}, at::BFloat16{});
+      break;
+    case at::kHalf: table(at::Half{}, at::Half{}); break;
     default: TORCH_CHECK(false, "float32, bfloat16 or float16, not ", q.scalar_type());
   }
   return {out, lse};
@@ -927,7 +961,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("masks"), py::arg("scale"), py::arg("bs"), py::arg("own_pairs") = false,
         py::arg("heads_per_kv") = 1, py::arg("row_bits") = torch::Tensor(), py::arg("tile_rows") = 0,
         py::arg("softcap") = 0.0, py::arg("dist_bias") = torch::Tensor(), py::arg("q_offset") = 0,
-        py::arg("dot_tiles") = false);
+        py::arg("dot_tiles") = false, py::arg("widen") = false);
   m.def("dot_products", [](py::object dtype, int64_t bs, int64_t d, bool modified, bool dot_tiles) {
     return dot_products(torch::python::detail::py_object_to_dtype(dtype), bs, d, modified, dot_tiles);
   }, "whether block_attention takes its own dot-product tiles for these operands (else oneDNN's GEMMs)");

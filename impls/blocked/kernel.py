@@ -10,9 +10,9 @@ float32 between them, scores kept in the thread's buffers.
 It is compiled with torch's C++ extension builder (a C++ compiler and ninja; about a minute, once per machine:
 the build is cached under the torch extensions directory, named by the source's digest and the CPU's vector
 ISA).
-Where it cannot be built, the CPU has no fast bfloat16 products, or the case is one it does not take
-(`unavailable_reason`), `blocked` keeps its torch-op paths and says why in its record
-(`config.kernel_unavailable`).
+On a CPU without bfloat16 products (AVX2, AVX512 without BF16) bfloat16 runs on float32 operands, widened as the
+blocks are packed (`widened`). Where the kernel cannot be built or the case is one it does not take
+(`unavailable_reason`), `blocked` keeps its torch-op paths and says so in its record (`config.fallback`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,38 @@ _SOURCE = Path(__file__).with_name("kernel.cpp")
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512",
                "-DCPU_CAPABILITY=AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 
 _lock = threading.Lock()
 _module: Any = None
 _unavailable: str | None = None
+
+
+# What a CPU needs for each variant (its /proc/cpuinfo flags), for the test that runs the variants a machine has.
+ISA_NEEDS = {"DEFAULT": (), "AVX2": ("avx2", "fma", "f16c"),
+             "AVX512": ("avx512f", "avx512dq", "avx512vl", "avx512bw", "fma")}
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of torch's CPU capability `isa` (DEFAULT, AVX2, AVX512)."""
+    return _ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
+
+
+def compile_object(source: Path, isa: str, out: Path) -> None:
+    """Compile one of blocked's sources for `isa` to an object file, unoptimised and not loaded: what a build for a
+    CPU this machine is not would meet in the compiler (the test of every variant). Raises CalledProcessError."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [arg for path in [*include_paths(), sysconfig.get_paths()["include"]] for arg in ("-isystem", path)]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    subprocess.run([os.environ.get("CXX", "c++"), "-O0", "-c", "-fPIC", "-std=c++17", "-fopenmp",
+                    f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=variant",
+                    "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, *isa_flags(isa), str(source), "-o", str(out)],
+                   check=True, capture_output=True, text=True)
 
 
 def build_extension(source: Path, stem: str) -> Any:
@@ -61,7 +87,7 @@ def build_extension(source: Path, stem: str) -> Any:
         pass
 
     isa = torch.backends.cpu.get_cpu_capability()
-    flags = _ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
+    flags = isa_flags(isa)
     # The source's digest in the name: two checkouts with different kernels (`bench ab` of two revisions) each
     # keep their own build instead of rebuilding over each other's in the shared extensions directory.
     text = source.read_bytes()
@@ -75,15 +101,26 @@ def build_extension(source: Path, stem: str) -> Any:
     # torch's own build lock is a file that outlives a process killed mid-build (a pair's timeout, a test that
     # kills its worker), and every later build then waits on it forever. An flock dies with its holder: whoever
     # holds ours is the only builder, so a torch lock file found then is a dead builder's and is removed.
+    # A failed build is kept beside the builds: every later process (each worker of a run, each run) reads it instead
+    # of failing the same way again after a minute; deleting the file tries again.
+    failed = build_dir.parent / f"{name}.failed"
+    stamp = f"torch {torch.__version__}, flags {' '.join(flags)}\n"
     with open(build_dir.parent / f"{name}.flock", "w") as baton:
         fcntl.flock(baton, fcntl.LOCK_EX)
+        if failed.is_file() and failed.read_text().startswith(stamp):
+            raise RuntimeError(f"{failed.read_text()[len(stamp):]}\n(this source failed to build on this machine "
+                               f"before and is not tried again: delete {failed} to retry)")
         (build_dir / "lock").unlink(missing_ok=True)
         if not staged.exists() or staged.read_bytes() != text:
             staged.write_bytes(text)
         # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it the kernel ran on one
         # thread. It links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
-        return load(name=name, sources=[str(staged)], build_directory=str(build_dir),
-                    extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+        try:
+            return load(name=name, sources=[str(staged)], build_directory=str(build_dir),
+                        extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as exc:
+            failed.write_text(stamp + str(exc))
+            raise
 
 
 def _build() -> Any:
@@ -140,10 +177,18 @@ def unavailable_reason(q: Tensor, block_size: int) -> str | None:
     module = kernel_module()
     if module is None:
         return _unavailable
-    if q.dtype == torch.bfloat16 and not (module.library_packs(q.dtype) or has_bf16_dot_products()):
-        return ("bfloat16 on a CPU with neither AMX nor AVX512-BF16: its batch-reduce GEMM would emulate the "
-                "bfloat16 products")
     return None
+
+
+def widened(dtype: torch.dtype) -> bool:
+    """Whether the kernel computes `dtype` on float32 operands: bfloat16 on a CPU with neither AMX (oneDNN's packer)
+    nor AVX512-BF16, where a bfloat16 GEMM would emulate its products. The blocks are widened as they are packed
+    (kernel.cpp, BlockPacker), as llama.cpp's CPU path widens its 16-bit blocks; the stored inputs and the output
+    stay bfloat16."""
+    if dtype != torch.bfloat16:
+        return False
+    module = kernel_module()
+    return module is not None and not (module.library_packs(dtype) or has_bf16_dot_products())
 
 
 def gemm_engine(dtype: torch.dtype) -> str:
@@ -152,7 +197,7 @@ def gemm_engine(dtype: torch.dtype) -> str:
     oneDNN or its own tiles): amx_bf16 (AMX tiles),
     avx512_bf16 (AVX512-BF16 dot products), emulated (16-bit products without either), or fp32 at torch's CPU
     capability (e.g. fp32_avx512)."""
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in (torch.bfloat16, torch.float16) or widened(dtype):
         return f"fp32_{torch.backends.cpu.get_cpu_capability().lower()}"
     features = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
     if dtype == torch.bfloat16 and features.get("amx_bf16", False):
@@ -170,6 +215,8 @@ def kernel_products(dtype: torch.dtype, block_size: int, head_dim: int, modified
     AVX512 FMAs, bfloat16 on AVX512-BF16 without AMX; blocks and heads of whole 16-column vectors, no score
     modification) or onednn_brgemm."""
     module = kernel_module()
+    if module is not None and widened(dtype):
+        return "onednn_brgemm_widened"  # float32 GEMMs on bfloat16 widened as the blocks are packed
     taken = module is not None and module.dot_products(dtype, block_size, head_dim, modified,
                                                        dot_tiles_allowed(dtype))
     return "dot_tiles" if taken else "onednn_brgemm"
@@ -287,7 +334,7 @@ def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: 
                                     table.kv_count[None], table.mask_slot[None], table.masks, scale, table.block,
                                     own_pairs, 1, _NO_BITS, 0, mod.softcap,
                                     _NO_BIAS if mod.dist_bias is None else mod.dist_bias, mod.q_offset,
-                                    dot_tiles_allowed(q.dtype))
+                                    dot_tiles_allowed(q.dtype), widened(q.dtype))
     return out
 
 
@@ -319,4 +366,4 @@ def kernel_attention_tables(tables: HeadTables, q: Tensor, k: Tensor, v: Tensor,
     return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), tables.kv_index, tables.kv_count,
                                   tables.mask_slot, tables.masks, scale, tables.block, False, heads_per_kv,
                                   tables.row_bits, tables.tile_rows, _NO_MOD.softcap, _NO_BIAS, _NO_MOD.q_offset,
-                                  dot_tiles_allowed(q.dtype))
+                                  dot_tiles_allowed(q.dtype), widened(q.dtype))

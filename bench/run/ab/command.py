@@ -239,7 +239,7 @@ def _open_run(side: Side) -> None:
                    started_at=utc_now(), finished_at=None, env=loaded.env, command=sys.argv[1:] or None)
     write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json", by_alias=True))
     (run_dir / RECORDS).touch()
-    side.writer = RecordWriter(run_dir / RECORDS, record_git(info.env.git))  # the side's own code
+    side.writer = RecordWriter(run_dir / RECORDS, record_git(info.env.git), info.env.code)  # the side's own code
     side.run = SideRun(side.checkout, loaded.name, loaded.file, loaded.root, run_dir, run_id, loaded.env,
                        labels={p.case_id: p.label for p in loaded.pairs}, unknown_impls=list(loaded.unknown_impls))
 

@@ -182,7 +182,8 @@ def _record_lost_pairs(run_dir: Path, plan: SubmitPlan, parts: list[list[Pair]],
                   f"without it; logs in {run_dir}")
         lock = PartLock(run_dir, shard)
         try:
-            with RecordWriter(run_dir / shard.part, record_git(read_run_info(run_dir).env.git)) as writer:
+            stored = read_run_info(run_dir).env
+            with RecordWriter(run_dir / shard.part, record_git(stored.git), stored.code) as writer:
                 for pair in missing:
                     writer.append(failed_record(pair, reason, utc_now(), "died"))
         finally:
