@@ -395,15 +395,23 @@ class PairSession:
         """A model case: the model scored with this implementation's attention and with the reference."""
         if self.case.model is None:
             return
-        from bench.measure.quality.evaluate import evaluate_quality  # imports transformers
+        from bench.measure.quality.evaluate import evaluate_quality, quality_failure  # imports transformers
 
         self._phase("quality")
-        self.draft.quality = evaluate_quality(self.case, self.impl.name)
+        try:
+            self.draft.quality = evaluate_quality(self.case, self.impl.name)
+        except Exception as exc:  # the kernel's measurement stands; the record says why the model was not scored
+            self.draft.quality = quality_failure(self.case, f"{describe_failure('quality', exc)[0]}")
         if self.case.train is not None:
             from bench.measure.quality.train import train_against_dense
 
             self._phase("training")
-            self.draft.training = train_against_dense(self.case, self.impl.name)
+            try:
+                self.draft.training = train_against_dense(self.case, self.impl.name)
+            except Exception as exc:
+                assert self.case.train is not None
+                self.draft.training = TrainingInfo(steps=self.case.train.steps, lr=self.case.train.lr,
+                                                   error=describe_failure("training", exc)[0])
 
     def record(self, time_s: TimeStats, memory: MemoryInfo | None, device_state: DeviceState | None = None
                ) -> Record:

@@ -75,6 +75,18 @@ def _score(logits: Tensor, samples: Samples, s: int) -> float:
     return float(torch.nn.functional.cross_entropy(logits.double(), targets, reduction="mean"))
 
 
+def quality_failure(case: Case, reason: str) -> QualityInfo:
+    """The record's `quality` of a step that failed: what was asked, and why there is no score."""
+    assert case.model is not None and case.task is not None
+    try:
+        sha = model_sha256(case.model)
+    except Exception:  # the model itself may be what failed
+        sha = ""
+    return QualityInfo(model=case.model, model_sha256=sha, task=case.task.to_param(), samples=case.samples,
+                       tokens=case.seq_len, layers=list(case.layers) if case.layers else None,
+                       metric=case.task.metric, error=reason)
+
+
 def evaluate_quality(case: Case, impl_name: str) -> QualityInfo:
     """The case's QualityInfo; one with `error` when the implementation cannot run inside the model here."""
     assert case.model is not None and case.task is not None

@@ -8,8 +8,14 @@ the model's own implementation. GQA is the model's: query heads (B, H, N, D), ke
 the layer hands them over. Inside `torch.no_grad()` the case is inference (mode fwd); with gradients
 enabled it is fwd_bwd, so an implementation without a backward here says so (Unavailable).
 
-The interface is registered once under the name `bench_swap` (with a mask function that builds no mask: the
-pattern is the mask) and the model switched to it for the context (`set_attn_implementation`), back on exit.
+The swap applies what the model asks of its attention, or refuses it (Unavailable naming the keyword), never drops
+it: the model's own boolean mask is built (`_model_mask`) and read for padding (each sequence's run of tokens is
+computed apart, left or right padding alike) and checked against the case's pattern (which may keep fewer pairs
+than the model's mask, never more); a layer's `sliding_window` becomes the pattern causal_local and its `softcap`
+the score_mod softcap; any other keyword it passes with a value is refused by name.
+
+The interface is registered once under the name `bench_swap` (with that mask function) and the model switched to
+it for the context (`set_attn_implementation`), back on exit.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from torch import Tensor
 
 from bench import registry
+from bench.errors import Unavailable
 from bench.measure.case_cache import CaseCache
 from bench.measure.prepare import prepare
 from bench.patterns import Pattern
@@ -42,30 +49,114 @@ class Swap:
     template: Case
     layers: frozenset[int] | None
     calls: int = 0  # layer calls routed through the implementation
-    patterns: dict[tuple[int, int], Pattern] = field(default_factory=dict)  # (q_len, N): views built once
+    patterns: dict[tuple[str, int, int, int], Pattern] = field(default_factory=dict)  # views built once per shape
+
+    checked: tuple[tuple[Any, ...], list[tuple[int, int]] | None] | None = None  # the last mask read, its runs
 
     def pattern(self, case: Case) -> Pattern:
-        key = (case.n_queries, case.seq_len)
+        key = (case.pattern, case.window, case.n_queries, case.seq_len)
         if key not in self.patterns:
             self.patterns[key] = case.make_pattern()
         return self.patterns[key]
+
+    def sequences(self, mask: Tensor | None, case: Case, pattern_of: Any, read: Any) -> list[tuple[int, int]] | None:
+        """`read(mask, case, pattern_of)` (sequences_of), once per mask: a forward's layers share one mask."""
+        if mask is None:
+            return read(mask, case, pattern_of)
+        key = (mask.data_ptr(), tuple(mask.shape), case.pattern, case.window)
+        if self.checked is None or self.checked[0] != key:
+            self.checked = (key, read(mask, case, pattern_of))
+        return self.checked[1]
 
 
 _ACTIVE: contextvars.ContextVar[Swap | None] = contextvars.ContextVar("bench_swap", default=None)
 
 
-def _case_for(swap: Swap, query: Tensor, key: Tensor) -> Case:
+def _case_for(swap: Swap, query: Tensor, key: Tensor, asked: dict[str, Any]) -> Case:
+    """The case of one layer call: the template at the call's shape, with what the layer asks applied."""
     b, h, nq, d = query.shape
     n, hkv = key.shape[2], key.shape[1]
     backward = torch.is_grad_enabled() and query.requires_grad
     return replace(swap.template, batch=b, heads=h, kv_heads=None if hkv == h else hkv, head_dim=d, seq_len=n,
                    q_len=None if nq == n else nq, dtype=_NAMES[query.dtype], device=query.device.type,
-                   mode="fwd_bwd" if backward else "fwd")
+                   mode="fwd_bwd" if backward else "fwd", **asked)
+
+
+# What a layer may pass to its attention that changes nothing here: positions (rotary is applied before the call),
+# cache bookkeeping, flags of the mask the model built (read from the mask itself).
+_INERT = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values",
+                    "past_key_value", "is_causal", "layer_idx", "position_embeddings"})
+
+
+def layer_asks(template: Case, layer: int | None, scaling: float | None, d: int, dropout: float,
+               kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The case fields a layer's own attention asks for beyond the template (a sliding window as the pattern
+    causal_local, a logit softcap as the score_mod softcap); Unavailable naming any keyword the swap cannot apply."""
+    where = f"layer {layer}"
+    if scaling is not None and not math.isclose(scaling, d**-0.5, rel_tol=1e-6):
+        raise Unavailable(f"{where} passes scaling={scaling:g}, not 1/sqrt(head_dim) = {d**-0.5:g}: the "
+                          "implementations compute softmax(q k^T / sqrt(D))")
+    if dropout:
+        raise Unavailable(f"{where} passes dropout={dropout:g}: evaluate the model in eval mode")
+    asked: dict[str, Any] = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if template.pattern not in ("causal", "causal_local"):
+            raise Unavailable(f"{where} passes sliding_window={window}: the swap applies it as causal_local over a "
+                              f"causal or causal_local base pattern, not {template.pattern}")
+        own = template.window if template.pattern == "causal_local" else window
+        asked.update(pattern="causal_local", window=min(int(window), int(own)))
+    cap = kwargs.get("softcap")
+    if cap is not None:
+        if template.score_mod not in (None, "none", "softcap") or (template.score_mod == "softcap" and
+                                                            not math.isclose(float(template.softcap or 0), cap)):
+            raise Unavailable(f"{where} passes softcap={cap:g}, which the case's score_mod {template.score_mod} "
+                              "would replace")
+        asked.update(score_mod="softcap", softcap=float(cap))
+    for name, value in kwargs.items():
+        if name not in _INERT and name not in ("sliding_window", "softcap") and value is not None:
+            raise Unavailable(f"{where} passes {name}={_brief(value)} to its attention, which the swap does not "
+                              "apply")
+    return asked
+
+
+def _brief(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)[:60]
+
+
+def sequences_of(mask: Tensor | None, case: Case, pattern_of: Any) -> list[tuple[int, int]] | None:
+    """Per sequence of the batch, the run [lo, hi) of keys the model's boolean mask (B, 1, q_len, N) lets some row
+    see (its tokens between left and right padding); None where every sequence has all N. Unavailable where the
+    mask is not padding around one run of tokens, or where the case's pattern over a sequence's tokens would let a
+    query see a key the model masks (`pattern_of(seq_len, q_len)` gives that pattern)."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool or mask.dim() != 4:
+        raise Unavailable(f"attention_mask of dtype {mask.dtype} and shape {tuple(mask.shape)}: the swap reads "
+                          "a boolean (B, 1, q_len, N) mask")
+    nq, n = mask.shape[-2:]
+    runs = []
+    for b in range(mask.shape[0]):
+        seen = mask[b, 0].any(dim=0)
+        cols = seen.nonzero().flatten()
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (n, n)
+        if not bool(seen[lo:hi].all()) or (nq < n and hi != n):
+            raise Unavailable(f"attention_mask of sequence {b} is not padding around one run of tokens (keys "
+                              f"{lo}..{hi - 1} with holes, or queries past its last key): the swap does not apply it")
+        rows = slice(lo, hi) if nq == n else slice(0, nq)
+        allowed = pattern_of(hi - lo, (hi - lo) if nq == n else nq).dense_mask()
+        given = mask[b, 0, rows, lo:hi]
+        if allowed.shape == given.shape and bool((allowed & ~given.cpu()).any()):
+            raise Unavailable(f"attention_mask: the case's pattern {case.pattern} lets a query of sequence {b} see "
+                              "keys the model masks (its mask is narrower: causal, a window, padding)")
+        runs.append((lo, hi))
+    return None if all(run == (0, n) for run in runs) else runs
 
 
 def swapped_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' attention interface: (B, N, H, D) from query (B, H, N, D) and key, value (B, Hkv, N, D)."""
+    """transformers' attention interface: (B, N, H, D) from query (B, H, N, D) and key, value (B, Hkv, N, D).
+    What the layer asks (padding in its mask, a sliding window, a softcap) is applied or refused by name."""
     swap = _ACTIVE.get()
     layer = getattr(module, "layer_idx", None)
     if swap is None or (swap.layers is not None and layer not in swap.layers):
@@ -73,20 +164,38 @@ def swapped_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, at
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    d = query.shape[-1]
-    if scaling is not None and not math.isclose(scaling, d**-0.5, rel_tol=1e-6):
-        raise ValueError(f"layer {layer} scales scores by {scaling:g}, not 1/sqrt(head_dim) = {d**-0.5:g}: the "
-                         "implementations compute softmax(q k^T / sqrt(D))")
-    if dropout:
-        raise ValueError("attention dropout in the swapped layers: evaluate the model in eval mode")
-    case = _case_for(swap, query, key)
-    prepared = prepare(swap.impl, case, swap.pattern(case), query, key, value, None, CaseCache())
+    asked = layer_asks(swap.template, layer, scaling, query.shape[-1], dropout, kwargs)
+    case = _case_for(swap, query, key, asked)
+
+    def pattern_of(seq_len: int, q_len: int) -> Pattern:
+        return swap.pattern(replace(case, batch=1, seq_len=seq_len, q_len=None if q_len == seq_len else q_len))
+
+    runs = swap.sequences(attention_mask, case, pattern_of, sequences_of)
     swap.calls += 1
-    return prepared.output.transpose(1, 2).contiguous(), None
+    if runs is None:
+        return _attend(swap, case, swap.pattern(case), query, key, value).transpose(1, 2).contiguous(), None
+    out = query.new_zeros(query.shape)  # rows outside a sequence's tokens (padding) stay zero
+    for b, (lo, hi) in enumerate(runs):
+        if hi <= lo:
+            continue
+        rows = slice(lo, hi) if query.shape[2] == key.shape[2] else slice(0, query.shape[2])
+        one = replace(case, batch=1, seq_len=hi - lo, q_len=None if rows.stop - rows.start == hi - lo else
+                      rows.stop - rows.start)
+        out[b : b + 1, :, rows] = _attend(swap, one, swap.pattern(one), query[b : b + 1, :, rows],
+                                          key[b : b + 1, :, lo:hi], value[b : b + 1, :, lo:hi])
+    return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None  # the case's pattern is the mask: nothing to build
+def _attend(swap: Swap, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return prepare(swap.impl, case, pattern, q, k, v, None, CaseCache()).output
+
+
+def _model_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """The model's own boolean mask (causal, its window, its padding), always built: the swap checks its pattern
+    against it and reads the padding from it (transformers' sdpa mask, never skipped for `is_causal`)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
 
 _registered = False
@@ -99,7 +208,7 @@ def _register() -> None:
         from transformers.masking_utils import AttentionMaskInterface
 
         AttentionInterface.register(INTERFACE, swapped_attention)
-        AttentionMaskInterface.register(INTERFACE, _no_mask)
+        AttentionMaskInterface.register(INTERFACE, _model_mask)
         _registered = True
 
 
