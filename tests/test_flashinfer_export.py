@@ -184,3 +184,36 @@ def test_solutions_from_the_command_line_run_on_our_own_cases(tmp_path):
     assert workload.workload.inputs["qo_indptr"].type == "safetensors"
     stored = traces.get_workload_blob_tensor(workload.workload.inputs["qo_indptr"].path)
     assert stored["qo_indptr"].tolist() == [0, 12, 40]
+
+
+def test_an_export_into_an_existing_dataset_keeps_the_traces_it_did_not_write(imported_run, tmp_path):
+    import shutil
+
+    run_dir, out, _ = imported_run
+    root = tmp_path / "dataset"
+    shutil.copytree(out, root)
+    (trace_file,) = (root / "traces").rglob(f"{RAGGED}.jsonl")
+    first = json.loads(trace_file.read_text().splitlines()[0])
+    foreign = {**first, "solution": "someone_elses_kernel", "evaluation": {**first["evaluation"],
+                                                                         "log": "written by another tool"}}
+    trace_file.write_text(trace_file.read_text() + json.dumps(foreign) + "\n")
+    before = len(trace_file.read_text().splitlines())
+    assert main(["export", str(run_dir), "--format", "flashinfer-trace", "-o", str(root)]) == 0
+    lines = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    assert any(line["solution"] == "someone_elses_kernel" for line in lines)  # the foreign line survives
+    assert len(lines) == before  # ours were replaced, not doubled
+
+
+def test_max_relative_error_is_the_elementwise_maximum(imported_run):
+    run_dir, out, _ = imported_run
+    traces = fib.TraceSet.from_path(str(out))
+    records = {(r.case_id, r.impl): r for r in load_run(run_dir).records}
+    for trace in (t for ts in traces.traces.values() for t in ts):
+        correctness = trace.evaluation.correctness
+        if correctness is None or correctness.extra is None:
+            continue
+        record = records[(correctness.extra["case_id"], correctness.extra["impl"])]
+        if record.error is None or record.error.max_rel is None:
+            continue
+        assert correctness.max_relative_error == pytest.approx(record.error.max_rel)
+        assert "elementwise maximum" in correctness.extra["relative_error"]

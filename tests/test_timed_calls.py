@@ -153,3 +153,36 @@ def test_each_timed_call_gets_the_next_set_written_before_the_eviction_and_the_d
     assert checked[0].input_set == 1 and 2 <= checked[0].index < 7
     sets.load(0)
     assert target.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_figure_past_a_roof_is_marked_with_its_reason():
+    from bench.measure.calibrate import peak_for
+    from bench.results.environment import Bandwidth, Calibration, MatmulRate
+
+    calibration = Calibration(matmul={"float32": MatmulRate(flops_per_s=1e11), "bfloat16": MatmulRate(
+        flops_per_s=1e10)}, read={"all_threads": Bandwidth(bytes_per_s=2e10)})
+    warm = peak_for(1e9, "float32", "cpu", False, calibration, bytes_per_s=3e10, flops=1e6, bytes_moved=2**24,
+                    cache="warm")
+    assert warm.above_roof and "1.50x the calibrated read bandwidth" in warm.above_roof_reason
+    assert "warm" in warm.above_roof_reason and "16 MiB" in warm.above_roof_reason
+    cold = peak_for(1e9, "float32", "cpu", False, calibration, bytes_per_s=2.05e10, flops=1e6, bytes_moved=2**24)
+    assert cold.above_roof is False  # within 5% of the roof
+    # bfloat16 on a CPU without bfloat16 products is held to its float32 rate, not the emulated bfloat16 one
+    avx2 = peak_for(4e10, "bfloat16", "cpu", False, calibration, cpu_features=["avx2", "fma"])
+    assert avx2.peak_flops == 1e11 and "widened" in avx2.hardware and avx2.above_roof is False
+    native = peak_for(4e10, "bfloat16", "cpu", False, calibration, cpu_features=["avx512f", "avx512_bf16"])
+    assert native.peak_flops == 1e10 and native.above_roof and "compute roof" in native.above_roof_reason
+
+
+def test_the_console_marks_records_above_the_roof_and_fallbacks():
+    from bench.results.records import PeakInfo, Record, TimeStats
+    from bench.run.console import describe, fallback_lines
+
+    times = TimeStats(median=1e-3, min=1e-3, max=1e-3, mean=1e-3, std=0.0, q1=1e-3, q3=1e-3, n=1, samples=[1e-3])
+    above = Record(case_id="c", impl="blocked", params={}, status="ok", time_s=times, peak=PeakInfo(
+        above_roof=True, above_roof_reason="1.24x the calibrated read bandwidth: the timing was warm"))
+    assert "ABOVE THE ROOF: 1.24x the calibrated read bandwidth" in describe(above)
+    fell = above.model_copy(update={"peak": None, "config": {"path": "gather", "fallback": {
+        "path": "gather", "reason": "the CPU kernel could not be built"}}})
+    assert fallback_lines([fell, above]) == ["blocked FELL BACK in 1 of 2 measured pairs (path gather): the CPU "
+                                             "kernel could not be built"]

@@ -81,6 +81,8 @@ class Row:
     device: str
     interpreter: bool  # a Triton kernel run through the CPU interpreter: not kernel speed
     busy: str | None = None  # timed on a busy machine: the record's contention reason
+    above_roof: str | None = None  # a figure past a roof: the record's peak.above_roof_reason
+    fallback: str | None = None  # a slower path measured under the implementation's name: config.fallback's reason
     median_s: float | None = None
     ci95_s: tuple[float, float] | None = None
     samples: int = 0
@@ -198,6 +200,8 @@ def row_from_record(run: Run, record: Record) -> Row:
         reason=record.reason, source="modelled" if modelled else "measured", device=record_device(record, run),
         interpreter=record.interpreter,
         busy=record.contention.reason if record.busy and record.contention else None,
+        above_roof=record.peak.above_roof_reason if record.peak is not None and record.peak.above_roof else None,
+        fallback=f"{record.fallback.get('path')}: {record.fallback.get('reason')}" if record.fallback else None,
         median_s=time_s.median if time_s is not None else None, ci95_s=ci, samples=time_s.n if time_s else 0,
         peak_bytes=record.memory.peak_bytes if record.memory else None,
         memory_method=record.memory.method if record.memory else None,

@@ -48,6 +48,8 @@ class Provenance:
     sources: tuple[str, ...]
     interpreter: bool
     busy: int = 0  # records timed on a busy machine
+    above_roof: int = 0  # records whose figure passes a roof
+    fallback: int = 0  # records of a slower path under the implementation's name
 
     @property
     def kind(self) -> str:
@@ -65,6 +67,11 @@ class Provenance:
             parts.append("includes Triton interpreter timings (CPU emulation, not kernel speed)")
         if self.busy:
             parts.append(f"{self.busy} records timed on a busy machine (hover: BUSY): not to be trusted")
+        if self.above_roof:
+            parts.append(f"{self.above_roof} records above the roof (hover: ABOVE THE ROOF): no target or gain is "
+                         "claimed from them")
+        if self.fallback:
+            parts.append(f"{self.fallback} records of a fallback path (hover: FALLBACK)")
         return " · ".join(parts)
 
 
@@ -82,6 +89,8 @@ def provenance(rows: Iterable[Row]) -> Provenance:
         sources=tuple(sorted({r.source for r in rows})),
         interpreter=any(r.interpreter for r in rows),
         busy=sum(r.busy is not None for r in rows),
+        above_roof=sum(r.above_roof is not None for r in rows),
+        fallback=sum(r.fallback is not None for r in rows),
     )
 
 
@@ -186,4 +195,8 @@ def row_hover(row: Row, *extra: str) -> str:
         lines.append(plot_text(INTERPRETER_NOTE))
     if row.busy is not None:
         lines.append(plot_text(f"BUSY: timed on a busy machine ({row.busy})"))
+    if row.above_roof is not None:
+        lines.append(plot_text(f"ABOVE THE ROOF: {row.above_roof}"))
+    if row.fallback is not None:
+        lines.append(plot_text(f"FALLBACK: {row.fallback}"))
     return hover(lines)

@@ -103,7 +103,8 @@ def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
         grad_info, grad_problem = grad_errors(grads, oracle.grads, tol, reference=oracle.reference,
                                               dtype=case.dtype)
         problem = problem or grad_problem
-    error = with_numerics(ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, tolerance=tol,
+    error = with_numerics(ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, max_rel=stats.max_rel,
+                                    tolerance=tol,
                                     rows_checked=stats.rows_checked, nonfinite=stats.nonfinite, grads=grad_info),
                           oracle.reference, case.dtype)
     return error, problem

@@ -12,7 +12,8 @@ call of a pair, outside the timed interval:
    is read from the machine, is read and written (`CpuEvictor`); CUDA's timer flushes the L2 itself
    (bench.measure.timing.CudaTimer);
 3. the output of the last timed call, and of one other chosen at random among the calls on another set than
-   the first call's, is kept (`TimedCalls`) and checked against the oracle for the inputs it was given
+   the first call's, is kept (`TimedCalls`: a copy, after the clock stops, since an implementation may write every
+   call's output into one buffer) and checked against the oracle for the inputs it was given
    (bench.measure.timed_check).
 
 Step 1 comes before step 2, because writing the inputs brings them into the cache. The record's `timing` block
@@ -114,6 +115,7 @@ class InputSets:
     targets: tuple[Tensor, ...]
     sets: list[tuple[Tensor, ...]]
     current: int = 0
+    after_load: Callable[[], None] | None = None  # the implementation's refresh of its own copies (Prepared.refresh)
 
     @classmethod
     def of(cls, targets: Sequence[Tensor], others: Sequence[Sequence[Tensor]]) -> InputSets:
@@ -130,6 +132,8 @@ class InputSets:
             for target, value in zip(self.targets, self.sets[index], strict=True):
                 target.copy_(value)
         self.current = index
+        if self.after_load is not None:
+            self.after_load()
 
     def nbytes(self) -> int:
         """The memory the extra sets hold beyond the targets themselves."""
@@ -177,7 +181,8 @@ class TimedCalls:
         """The set call `index` gets: the next after the first call's (set 0), then in turn."""
         return 0 if self.sets is None else (index + 1) % len(self.sets)
 
-    def time_call(self, fn: Callable[[], Any]) -> float:
+    def before_call(self) -> int:
+        """The next call's input set written and, past the warm-up, the caches evicted; its index."""
         index = self.calls
         started = time.perf_counter()
         if self.sets is not None:
@@ -187,9 +192,14 @@ class TimedCalls:
                 self.evict()
             self.prep_s += time.perf_counter() - started
             self.timed += 1
-        seconds, result = self.timer.run(fn)
         self.calls += 1
-        self.last = KeptCall(index, self.input_set(index), result)
+        return index
+
+    def time_call(self, fn: Callable[[], Any]) -> float:
+        index = self.before_call()
+        seconds, result = self.timer.run(fn)
+        # a copy: an implementation may write every call's output into one buffer (destination-passing style)
+        self.last = KeptCall(index, self.input_set(index), _snapshot(result))
         if index == self.drawn:
             self.kept.append(self.last)
         return seconds
@@ -211,6 +221,15 @@ class TimedCalls:
     def release(self) -> None:
         self.kept.clear()
         self.last = None
+
+
+def _snapshot(result: Any) -> Any:
+    """The call's output as it is now (tensors copied), whatever later calls write into its buffers."""
+    if isinstance(result, Tensor):
+        return result.detach().clone()
+    if isinstance(result, tuple):
+        return tuple(_snapshot(r) for r in result)
+    return result
 
 
 def timing_info(cache: str, device: str, sets: InputSets | None, checked: int, calls: Sequence[TimedCalls],

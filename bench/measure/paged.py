@@ -92,7 +92,8 @@ def check_sequences(case: Case, impl: registry.Impl, patterns: list[Pattern], q:
                                               v[b : b + 1, :, : p.seq_len].detach(), p)
                           for b, p in enumerate(patterns)])
     stats = compare(out.detach(), expected, tol)
-    error = ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, tolerance=tol, rows_checked=stats.rows_checked,
+    error = ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, max_rel=stats.max_rel, tolerance=tol,
+                      rows_checked=stats.rows_checked,
                       nonfinite=stats.nonfinite)
     problem = None if stats.passed else (f"output has {stats.nonfinite} NaN/Inf values" if stats.nonfinite else
                                          f"output off the float64 oracle (each sequence under its own length): "

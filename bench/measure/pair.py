@@ -205,6 +205,8 @@ class PairSession:
             self.sets = input_sets(self.prepared.staged, self.cache, self.task.measure.rotate)
         except Exception as exc:
             return self.failed(exc)
+        if self.sets is not None:
+            self.sets.after_load = self.prepared.call.refresh
         return None
 
     def _stage(self) -> StagedCase:

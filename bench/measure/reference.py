@@ -156,10 +156,16 @@ class ErrorStats:
     tolerance: float
     rows_checked: int
     nonfinite: int = 0  # NaN or Inf elements in the checked rows
+    max_rel: float | None = None  # the elementwise maximum of |error| / (|expected| + ELEMENT_EPS)
 
     @property
     def passed(self) -> bool:
         return self.nonfinite == 0 and self.rel_l2 is not None and self.rel_l2 <= self.tolerance
+
+
+# The elementwise relative error's guard against a zero expected value: FlashInfer-Bench's (its
+# bench/utils.py compute_error_stats), so that `max_rel` is the figure its traces call max_relative_error.
+ELEMENT_EPS = 1e-8
 
 
 def compare(actual: Tensor, expected: Tensor, tolerance: float) -> ErrorStats:
@@ -175,4 +181,5 @@ def compare(actual: Tensor, expected: Tensor, tolerance: float) -> ErrorStats:
     err = float(torch.linalg.vector_norm(diff))
     rel = err / norm if norm > 0 else err  # all-empty rows: the expected output is exactly zero
     max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-    return ErrorStats(max_abs, rel, tolerance, rows, 0)
+    max_rel = float((diff.abs() / (e.abs() + ELEMENT_EPS)).max()) if diff.numel() else 0.0
+    return ErrorStats(max_abs, rel, tolerance, rows, 0, max_rel)

@@ -119,7 +119,8 @@ def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection:
                                               "the float64 oracle under the selection", oracle.selected_reference,
                                               case.dtype)
         problem = problem or grad_problem
-    error = ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, tolerance=tol, rows_checked=stats.rows_checked,
+    error = ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, max_rel=stats.max_rel, tolerance=tol,
+                      rows_checked=stats.rows_checked,
                       nonfinite=stats.nonfinite, grads=grad_info, lse_max_abs=lse_max_abs, lse_rel_l2=lse_rel)
     error = with_numerics(error, oracle.selected_reference, case.dtype)
     return error, problem
@@ -197,14 +198,22 @@ def selection_kv_rows(selection: Selection, pattern: Pattern, heads: int, kv_hea
     return int((by_kv.to(torch.int64) * per_unit).sum())
 
 
+REFERENCE_SHARE_NOTE = ("a reference selector: time_s is one end-to-end call (the yardstick's dense scoring, then the "
+                        "attention over its choice) and the selector's time one call of its own, each on fresh inputs "
+                        "and cold caches; single calls of a yardstick make no share of a method's time")
+
+
 def selection_record(info: SelectorInfo, case: Case, selection: Selection, density: float | None,
                      selector_time: TimeStats, attention_time: TimeStats, end_to_end: TimeStats) -> SelectionInfo:
     """The record's `selection` block."""
     counts = selection.counts()
     share = selector_time.median / end_to_end.median if end_to_end.median > 0 else None
+    note = None
+    if info.reference:  # one call each, of a yardstick that costs dense attention: no share of a method's time
+        share, note = None, REFERENCE_SHARE_NOTE
     return SelectionInfo(selector=info.name, q_unit=selection.q_unit, kv_unit=selection.kv_unit,
                          shared=selection.shared, budget=case.budget, threshold=case.threshold,
                          units_mean=float(counts.to(torch.float64).mean()) if counts.numel() else 0.0,
                          density=density, reference=info.reference, time_s=selector_time,
                          attention_time_s=attention_time,
-                         share=share if share is None or math.isfinite(share) else None)
+                         share=share if share is None or math.isfinite(share) else None, share_note=note)

@@ -107,6 +107,7 @@ class ErrorInfo(BaseModel):
     lse_reference_rel_l2: float | None = None
     lse_ratio: float | None = None
     numerics: Literal["ok", "worse_than_reference"] | None = None  # a ratio above 2 on any tensor
+    max_rel: float | None = None  # elementwise max of |error| / (|oracle| + 1e-8) (FlashInfer-Bench's figure)
 
 
 class PeakInfo(BaseModel):
@@ -189,7 +190,8 @@ class SelectionInfo(BaseModel):
     reference: bool = False  # an oracle selector: timed by one call, the cost of dense attention
     time_s: TimeStats  # the selector alone
     attention_time_s: TimeStats  # attend over the fixed selection
-    share: float | None = None  # selector median over end-to-end median
+    share: float | None = None  # selector median over end-to-end median (null for a reference selector)
+    share_note: str | None = None  # why share is null
 
 
 class GradFidelity(BaseModel):

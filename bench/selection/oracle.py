@@ -9,8 +9,10 @@ record's `fidelity.oracle_recall`, which the harness computes at the selector's 
 
 Both compute the dense scores, q.k/sqrt(D) in float32, in chunks of query units, over the keys each chunk may
 attend to: they cost about as much as dense attention, and stand apart from the fast selectors as the oracle does
-from the implementations. oracle_topk chooses a unit whose float32 masses leave a near tie at its budget's
-boundary on float64 masses, so that rounding never decides what the yardstick keeps.
+from the implementations. Where a query unit's float32 masses leave a near tie at the boundary of what it keeps
+(`mass_error_bound`: how far float32 can be from the exact masses, from the scores' magnitude and head_dim), its
+masses are computed again in float64 before choosing, so that rounding never decides what the yardstick keeps:
+both agree with an all-float64 oracle.
 """
 
 from __future__ import annotations
@@ -27,14 +29,10 @@ from bench.selection.registry import register_selector
 from bench.selection.units import allowed_units, budget_counts, topk_indices
 
 CHUNK_ELEMENTS = 1 << 26  # float32 scores held at once (B * H * rows * N)
-# A unit's float32 mass is trusted to this share of itself. Its error is relative: the scores of bfloat16 or
-# float32 inputs carry an absolute error of ~D * eps * sum|q_i k_i| / sqrt(D) (~1e-4 at the scores of structured
-# inputs), which exp turns into the same relative error of each term; the sums, the division by the row's total
-# and the sum over the unit's rows add ~log(N) eps relative. Where the last kept and the first dropped unit are
-# closer than this share of the larger, the masses are computed again in float64 before choosing.
-TIE_RELATIVE = 1e-3
-# Masses below this share of the query unit's total (far above float32's subnormals, where the relative bound
-# above no longer holds, and exp's underflow to 0) count as equal whenever they are this close.
+# float32's unit roundoff: every rounded operation is exact to within this share of its result
+UNIT_ROUNDOFF = 2.0**-24
+# Masses below this share of the query unit's total (far above float32's subnormals, where a relative bound no
+# longer holds, and exp's underflow to 0) count as equal whenever they are this close.
 TIE_FLOOR = 1e-30
 # Query units are taken in at least this many chunks, each over the span of keys its rows may attend to: a causal
 # pattern's chunks then skip about half the keys, a window's all but its band.
@@ -96,9 +94,30 @@ def unit_masses(q: Tensor, k: Tensor, pattern: Any, q_unit: int, kv_unit: int, s
         yield chunk, out
 
 
-def _near_ties(masses: Tensor, wanted: Tensor) -> Tensor:
-    """bool (B, H_sel, u): whether the last unit kept and the first dropped are within TIE_RELATIVE of the larger
-    (or TIE_FLOOR of the unit's total mass) (masses: -inf where not allowed)."""
+def _gamma(n: float) -> float:
+    """The relative error bound of n rounded float32 operations in a row: n u / (1 - n u) (Higham, Accuracy and
+    Stability of Numerical Algorithms, 2nd ed., Lemma 3.1)."""
+    return n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+
+
+def mass_error_bound(q: Tensor, k: Tensor, n_keys: int) -> float:
+    """How far, relatively, a float32 unit mass of `unit_masses` can be from the exact one, for q (..., D) and
+    k (..., D).
+
+    Each scaled score s = q.k / sqrt(D) is off by at most gamma(D + 2) |q| |k| / sqrt(D) (a dot product of D terms,
+    the scale, the subtraction of the row's max; |q.k| <= |q| |k|), so each exp(s - max) by a factor e^(2 e_s)
+    (s and the max both off); the sums of positive terms (the unit's keys, the row's total, the unit's rows and
+    heads: torch's reductions sum pairwise) add gamma(log2(N) + 3) relatively, the division one rounding."""
+    d = q.shape[-1]
+    norms = float(q.detach().double().norm(dim=-1).max()) * float(k.detach().double().norm(dim=-1).max())
+    score_error = _gamma(d + 2) * norms / math.sqrt(d)
+    return math.expm1(2 * score_error) + _gamma(math.ceil(math.log2(max(n_keys, 2))) + 4)
+
+
+def _near_ties(masses: Tensor, wanted: Tensor, relative: float) -> Tensor:
+    """bool (B, H_sel, u): whether the last unit kept and the first dropped could swap places at float32's error
+    (each mass within `relative` of its exact value: within 2 `relative` of the larger, or TIE_FLOOR of the unit's
+    total mass) (masses: -inf where not allowed)."""
     k = int(wanted.max()) if wanted.numel() else 0
     if k == 0 or k >= masses.shape[-1]:
         return torch.zeros(masses.shape[:-1], dtype=torch.bool, device=masses.device)
@@ -106,7 +125,8 @@ def _near_ties(masses: Tensor, wanted: Tensor) -> Tensor:
     at = wanted.clamp(min=1, max=k).unsqueeze(-1).to(torch.int64)
     last_kept, first_dropped = top.gather(-1, at - 1), top.gather(-1, at)
     total = masses.clamp_min(0).nan_to_num(0.0).sum(dim=-1, keepdim=True)
-    bound = torch.maximum(TIE_RELATIVE * torch.maximum(last_kept, first_dropped).clamp_min(0), TIE_FLOOR * total)
+    larger = torch.maximum(last_kept, first_dropped).clamp_min(0)
+    bound = torch.maximum(2 * relative * larger, TIE_FLOOR * total)
     close = (last_kept - first_dropped).abs() <= bound
     return (close & torch.isfinite(first_dropped) & (wanted.unsqueeze(-1) > 0)).squeeze(-1)
 
@@ -117,12 +137,13 @@ def oracle_topk_indices(q: Tensor, k: Tensor, pattern: Any, q_unit: int, kv_unit
     dense mass among those the pattern allows, -1 padded (K = counts.max()). Masses in float32; a query unit whose
     choice rests on a near tie (`_near_ties`) is chosen on its float64 masses."""
     allowed = allowed_units(pattern, q_unit, kv_unit)
+    relative = mass_error_bound(q, k, k.shape[2])
     chunks = []
     for chunk, masses in unit_masses(q, k, pattern, q_unit, kv_unit, shared, units):
         masses = masses.masked_fill(~allowed[chunk].to(masses.device), -math.inf)
         wanted = counts[..., chunk] if counts.dim() > 1 else counts[chunk]
         wanted = wanted.to(masses.device).expand(masses.shape[:-1])
-        ties = _near_ties(masses, wanted).any(dim=(0, 1))  # (u,): the query units to look at again
+        ties = _near_ties(masses, wanted, relative).any(dim=(0, 1))  # (u,): the query units to look at again
         if bool(ties.any()):
             again = chunk[ties.cpu()]
             exact = torch.cat([m for _, m in unit_masses(q, k, pattern, q_unit, kv_unit, shared, again,
@@ -164,16 +185,51 @@ def oracle_topp(q: Tensor, k: Tensor, case: Any) -> Tensor:
     pattern = case.make_pattern()
     bs = case.block_size
     allowed = allowed_units(pattern, bs, bs)
+    relative = mass_error_bound(q, k, k.shape[2])
     picked: list[Tensor] = []
     for chunk, masses in unit_masses(q, k, pattern, bs, bs, "head"):
         masses = masses.masked_fill(~allowed[chunk].to(masses.device), -1.0)  # never needed: below any mass
-        ordered = masses.sort(dim=-1, descending=True)
-        total = masses.clamp_min(0).sum(dim=-1, keepdim=True)
-        before = ordered.values.clamp_min(0).cumsum(dim=-1) - ordered.values.clamp_min(0)
-        # keep a unit while the mass before it is short of the threshold (the first unit always, if allowed)
-        keep = (before < case.threshold * total - 1e-7 * total) & (ordered.values >= 0)
-        keep[..., 0] &= ordered.values[..., 0] >= 0
-        picked.append(torch.where(keep, ordered.indices, -1).to(torch.int32))
+        ties = _topp_near_ties(masses, case.threshold, relative).any(dim=(0, 1))  # (u,)
+        if bool(ties.any()):
+            again = chunk[ties.cpu()]
+            exact = torch.cat([m for _, m in unit_masses(q, k, pattern, bs, bs, "head", again, torch.float64)],
+                              dim=2)
+            masses = masses.double()
+            masses[:, :, ties.to(masses.device)] = exact.masked_fill(~allowed[again].to(exact.device), -1.0)
+        picked.append(_top_p(masses, case.threshold))
     k_max = max(int((p >= 0).sum(-1).max()) for p in picked) if picked else 0
     k_max = max(k_max, 1)
     return torch.cat([p[..., :k_max] for p in picked], dim=2)
+
+
+def _top_p(masses: Tensor, threshold: float) -> Tensor:
+    """int32 (..., KU): per query unit the fewest units whose mass reaches `threshold` of the total, by mass,
+    -1 past them (masses -1 where not allowed: never kept)."""
+    ordered = masses.sort(dim=-1, descending=True)
+    values = ordered.values.clamp_min(0)
+    before = values.cumsum(dim=-1) - values
+    # keep a unit while the mass before it is short of the threshold (the first unit always, if allowed)
+    keep = (before < threshold * values.sum(dim=-1, keepdim=True)) & (ordered.values >= 0)
+    return torch.where(keep, ordered.indices, -1).to(torch.int32)
+
+
+def _topp_near_ties(masses: Tensor, threshold: float, relative: float) -> Tensor:
+    """bool (B, H, u): whether float32's error (each mass within `relative` of its exact value, so every sum of
+    them too) could change what top-p keeps: the mass before the first unit dropped or before the last kept within
+    2 `relative` of the total from the threshold, or the last kept and the first dropped as close as `_near_ties`
+    says."""
+    ordered = masses.sort(dim=-1, descending=True).values
+    values = ordered.clamp_min(0)
+    total = values.sum(dim=-1, keepdim=True)
+    before = values.cumsum(dim=-1) - values
+    kept = ((before < threshold * total) & (ordered >= 0)).sum(dim=-1, keepdim=True)  # (..., 1)
+    last = ordered.shape[-1] - 1
+    at_last = (kept - 1).clamp(0, last)
+    at_first = kept.clamp(max=last)
+    slack = 2 * relative * total + TIE_FLOOR * total
+    stop_close = ((before.gather(-1, at_first) - threshold * total).abs() <= slack) & (kept <= last)
+    keep_close = (threshold * total - before.gather(-1, at_last)).abs() <= slack
+    a, b = ordered.gather(-1, at_last), ordered.gather(-1, at_first)
+    order_close = ((a - b).abs() <= torch.maximum(2 * relative * torch.maximum(a, b).clamp_min(0),
+                                                  TIE_FLOOR * total)) & (kept <= last) & (b >= 0)
+    return (stop_close | keep_close | order_close).squeeze(-1) & (total.squeeze(-1) > 0)

@@ -10,8 +10,10 @@ was; ours describes the implementation) and a trace line in `traces/<op_type>/<n
   INCORRECT_NUMERICAL, failed -> TIMEOUT, INCORRECT_SHAPE, INCORRECT_DTYPE, COMPILE_ERROR or RUNTIME_ERROR by the
   failure and its reason;
 - correctness: max_absolute_error is the record's error.max_abs (against the float64 oracle), max_relative_error
-  its rel_l2 (the elementwise maximum is not measured; `extra.relative_error` says so), extra our error, fidelity
-  and LSE fields;
+  its max_rel, the elementwise maximum of |error| / (|oracle| + 1e-8) as the format defines it (NaN for a record
+  written before records kept it; `extra.relative_error` says which), extra our error, fidelity and LSE fields;
+- an existing dataset at ROOT keeps every trace line this export does not write again (another tool's, another
+  run's): a trace file is appended to, its lines for the same (workload, solution) replaced;
 - performance (PASSED): latency_ms the median, reference_latency_ms the median of `--reference`
   (flashinfer_reference: the definition's reference run()) on the same case in the same run, speedup_factor their
   ratio (0 where the reference was not measured, and the log says so);
@@ -126,8 +128,10 @@ def _correctness(record: Record, run: Run) -> Correctness:
     info = _info(record)
     error = record.error
     extra: dict[str, object] = {
-        "relative_error": "rel_l2: the L2 norm of the error over the float64 oracle's (sparse-attention-bench "
-                          "does not keep the elementwise maximum)",
+        "relative_error": "the elementwise maximum of |error| / (|float64 oracle| + 1e-8) on the checked rows"
+                          if error is not None and error.max_rel is not None else
+                          "not kept by the record (written before sparse-attention-bench kept the elementwise "
+                          "maximum): NaN; error.rel_l2 is the L2 norm of the error over the oracle's",
         "error": None if error is None else error.model_dump(mode="json"),
         "fidelity": None if record.fidelity is None else record.fidelity.model_dump(mode="json"),
         "lse": None if info is None or info.lse is None else info.lse.model_dump(mode="json"),
@@ -135,7 +139,7 @@ def _correctness(record: Record, run: Run) -> Correctness:
         "contention": None if record.contention is None else record.contention.verdict,
     }
     return Correctness(max_absolute_error=_nan(error.max_abs if error else None),
-                       max_relative_error=_nan(error.rel_l2 if error else None), extra=extra)
+                       max_relative_error=_nan(error.max_rel if error else None), extra=extra)
 
 
 def _environment(record: Record, run: Run) -> Environment:
@@ -333,7 +337,23 @@ def _write(root: Path, out: _Out) -> None:
             dump(root / item.relative, solution.model_dump_json(indent=2, exclude_unset=True) + "\n")
     for name, traces in out.traces.items():
         op = out.definitions[name][0].op_type
-        dump(root / "traces" / op / f"{name}.jsonl", "\n".join(t.model_dump_json() for t in traces) + "\n")
+        path = root / "traces" / op / f"{name}.jsonl"
+        ours = {(t.workload.uuid, t.solution) for t in traces}
+        kept = [line for line in _lines(path) if _trace_key(line) not in ours]  # what others wrote stays
+        dump(path, "\n".join([*kept, *(t.model_dump_json() for t in traces)]) + "\n")
+
+
+def _lines(path: Path) -> list[str]:
+    return [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()] if path.is_file() else []
+
+
+def _trace_key(line: str) -> tuple[str, str] | None:
+    """(workload uuid, solution) of a trace line; None for a line that is not a trace we can read (kept as it is)."""
+    try:
+        data = json.loads(line)
+        return str(data["workload"]["uuid"]), str(data.get("solution"))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def export_flashinfer(run_dir: Path, root: Path, reference: str = REFERENCE) -> ExportSummary:
