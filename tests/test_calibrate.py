@@ -36,7 +36,7 @@ class FixedTimer:
 
 
 SMALL = Settings(TimingPolicy(warmup=1, repeat=3, max_time_s=1.0), target_call_s=1.0, min_n={"cpu": 64},
-                 max_n={"cpu": 128}, copy_bytes={"cpu": 2**20})
+                 max_n={"cpu": 128}, copy_bytes={"cpu": 2**20}, past_llc=0)
 
 
 def test_matmul_rate_counts_2_n_cubed_flops():
@@ -87,7 +87,7 @@ def test_peak_is_calibrated_when_the_machine_was():
         "fraction": 0.25, "peak_flops": 8e14, "source": "calibrated",
         "hardware": "cuda:0 NVIDIA H100 80GB HBM3 bfloat16 matmul",
         # no read bandwidth calibrated: the memory roof is the datasheet's, and says so
-        "bandwidth": 3.35e12, "bandwidth_source": "h100_sxm datasheet memory bandwidth"}
+        "bandwidth": 3.35e12, "bandwidth_source": "h100_sxm datasheet memory bandwidth", "above_roof": False}
     assert peak_for(1e14, "float32", "cuda", True, CALIBRATED, H100).peak_flops == 4e14  # TF32 impl
     assert peak_for(1e13, "float32", "cuda", False, CALIBRATED, H100).peak_flops == 5e13
 

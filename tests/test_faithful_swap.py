@@ -77,7 +77,7 @@ def test_a_swap_that_dropped_what_the_model_asks_would_be_caught(kind, pad, monk
     layer's keywords, and the check of its pattern against the model's mask), the logits move."""
     from bench.measure.quality import swap
 
-    monkeypatch.setattr(swap, "layer_asks", lambda *args, **kwargs: {})
+    monkeypatch.setattr(swap, "layer_asks", lambda *args, **kwargs: swap.LayerAsks())
     monkeypatch.setattr(swap, "sequences_of", lambda *args, **kwargs: None)
     model = _model(kind)
     ids, mask = _batch(pad)
@@ -94,8 +94,9 @@ def test_what_the_swap_cannot_apply_is_refused_by_name():
         layer_asks(template, 0, 0.1, 16, 0.0, {})
     with pytest.raises(Unavailable, match="sliding_window=8"):
         layer_asks(Case(pattern="local", window=16), 0, 0.25, 16, 0.0, {"sliding_window": 8})
-    assert layer_asks(template, 0, 0.25, 16, 0.0, {"sliding_window": 8, "softcap": 30.0, "position_ids": 1}) == {
-        "pattern": "causal_local", "window": 8, "score_mod": "softcap", "softcap": 30.0}
+    asked = layer_asks(template, 0, 0.25, 16, 0.0, {"sliding_window": 8, "softcap": 30.0, "position_ids": 1})
+    applied = asked.apply(template)
+    assert (applied.pattern, applied.window, applied.score_mod, applied.softcap) == ("causal_local", 8, "softcap", 30.0)
     model = _model("llama")
     ids, mask = _batch("left")
     with pytest.raises(Unavailable, match="lets a query of sequence 0 see keys the model masks"), \
@@ -111,7 +112,7 @@ def test_a_failed_quality_step_keeps_the_kernels_measurement(tmp_path, monkeypat
     def broken(case, impl_name):
         raise RuntimeError("the model ran out of tokens")
 
-    monkeypatch.setattr("bench.measure.quality.evaluate.evaluate_quality", broken)
+    monkeypatch.setattr("bench.measure.quality.model_step.evaluate_quality", broken)
     case = Case(model="micro-mqar", task="mqar", samples=2, pattern="causal", device="cpu")
     record = pair.measure_task(Task.of(case, "dense", {"warmup": 0, "repeat": 2, "max_time_s": 0.01,
                                                         "memory": "worker"}), CaseCache())

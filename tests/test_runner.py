@@ -47,6 +47,8 @@ def test_records_follow_the_golden_schema(tmp_path):
         assert sorted(r["memory"]) == GOLDEN["record:memory"]
         assert sorted(r["error"]) == GOLDEN["record:error"]
         assert sorted(r["contention"]) == GOLDEN["record:contention"]
+        assert sorted(r["timing"]) == GOLDEN["record:timing"]
+        assert r["timing"]["cache"] == "cold" and r["timing"]["rotated_sets"] == 2 and r["timing"]["checked_calls"] >= 1
         assert r["contention"]["verdict"] in ("quiet", "busy") and r["contention"]["cpu_over_wall"] > 0
         assert r["error"]["rel_l2"] <= r["error"]["tolerance"]
         if r["params"]["mode"] == "fwd_bwd":

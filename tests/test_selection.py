@@ -168,7 +168,9 @@ def test_a_selection_suite_records_three_times_fidelity_and_failures(tmp_path):
             assert r.status == "ok", (selector, impl, r.reason)
             s = r.selection
             assert s.selector == selector and s.time_s.n >= 1 and s.attention_time_s.n >= 1 and r.time_s.n >= 1
-            assert s.share > 0 and s.units_mean <= 3
+            assert s.units_mean <= 3
+            # a reference selector's single calls make no share; every other selector's is its median's
+            assert (s.share is None and "reference selector" in s.share_note) if s.reference else s.share > 0
             assert r.fidelity.oracle_recall.mean >= r.fidelity.recall.mean - 1e-12
             assert r.error.rel_l2 < 1e-4 and r.fidelity.needles_found is not None
     assert by[("oracle_topk", "dense")].selection.reference and by[("oracle_topk", "dense")].time_s.n == 1
@@ -177,7 +179,7 @@ def test_a_selection_suite_records_three_times_fidelity_and_failures(tmp_path):
     assert by[("test_rows", "blocked")].config["path"] == "kernel_selected"
     assert by[("test_tokens", "blocked")].config["path"] == "token_rows"  # tokens in inference: impls/blocked/tokens.py
     # which code ran the block kernel's products, said only where the block kernel ran
-    assert by[("test_rows", "blocked")].config["products"] in ("dot_tiles", "onednn_brgemm")
+    assert by[("test_rows", "blocked")].config["products"] in ("dot_tiles", "onednn_brgemm", "onednn_brgemm_widened")
     assert "products" not in by[("test_tokens", "blocked")].config
 
 

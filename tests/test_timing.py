@@ -241,7 +241,7 @@ def test_setup_s_holds_prepare_and_first_call_and_time_s_holds_neither(monkeypat
     # setup is timed where the pair's steps run and where phases are marked; patch every clock it reads
     for module in (measure_module, measure_steps, registry):
         monkeypatch.setattr(module, "time", fake_time)
-    monkeypatch.setattr(measure_module, "timer_for", lambda device: CpuTimer(clock=clock))
+    monkeypatch.setattr(measure_module, "timer_for", lambda device, cache="cold": CpuTimer(clock=clock))
     monkeypatch.setattr(registry, "get", lambda name: impl if name == impl.name else dense)
     from bench.spec.case import Case
 

@@ -293,14 +293,7 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
     if m.left_open:
         notes.append(f"the time budget ({format_duration(m.budget_s)}) ran out with {m.left_open} pair(s) still open: "
                      "their verdicts are from the rounds they had (--budget-s, --max-rounds)")
-    paths = [p for p in pairs if p.path is not None]
-    if paths:
-        notes.append(f"{len(paths)} pair(s) ran different code on the two sides (e.g. {paths[0].impl}: "
-                     f"{paths[0].path}): verdict PATH, never a regression or a gain")
-    roofs = [p for p in pairs if p.above_roof is not None]
-    if roofs:
-        notes.append(f"{len(roofs)} pair(s) have a record above the roof (e.g. {roofs[0].above_roof}): no gain is "
-                     "claimed from them")
+    notes += _trust_notes(pairs)
     busy = [p for p in pairs if p.busy is not None]
     if busy:
         notes.append(f"{len(busy)} pair(s) had a side timed on a busy machine (e.g. {busy[0].busy}): a change "
@@ -334,6 +327,20 @@ def _notes(m: ABMeasurement, pairs: list[ABPair], threshold: float, alpha: float
     if m.only_base or m.only_new:
         notes.append(f"{len(m.only_base)} pairs only in BASE and {len(m.only_new)} only in NEW (different suite "
                      "content or implementations): measured on their side, not compared")
+    return notes
+
+
+def _trust_notes(pairs: list[ABPair]) -> list[str]:
+    """The pairs whose sides ran different code, and those with a record above the roof: one note each."""
+    notes = []
+    paths = [p for p in pairs if p.path is not None]
+    if paths:
+        notes.append(f"{len(paths)} pair(s) ran different code on the two sides (e.g. {paths[0].impl}: "
+                     f"{paths[0].path}): verdict PATH, never a regression or a gain")
+    roofs = [p for p in pairs if p.above_roof is not None]
+    if roofs:
+        notes.append(f"{len(roofs)} pair(s) have a record above the roof (e.g. {roofs[0].above_roof}): no gain is "
+                     "claimed from them")
     return notes
 
 

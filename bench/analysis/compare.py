@@ -349,29 +349,34 @@ def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRES
                 pair.notes.append("timed through the Triton interpreter on CPU: not kernel speed")
         pairs.append(pair)
 
-    tested = [p for p in pairs if p.time is not None and p.time.note is None]
-    for pair, q in zip(tested, cs.benjamini_hochberg([p.time.p_value for p in tested if p.time]), strict=True):
-        pair.q_value = q
-    for pair in pairs:
-        if pair.time is not None:
-            pair.verdict = cs.verdict(pair.time, pair.q_value if pair.q_value is not None else 1.0,
-                                      threshold_pct / 100, alpha)
-            b, n = base.records[pair.key], new.records[pair.key]
-            busy = cs.busy_side([("BASE", b), ("NEW", n)])
-            path, roof = cs.path_change(b, n), cs.above_roof([("BASE", b), ("NEW", n)])
-            judged = cs.judge(pair.verdict, busy, path, roof)
-            if judged == cs.PATH:
-                pair.notes.append(f"PATH: {path}")
-            elif judged == cs.NOISY and pair.verdict != cs.NOISY:
-                pair.notes.append(f"NOISY: {busy}; the time change is not called")
-            if roof is not None:
-                pair.notes.append(f"{roof}: no gain is claimed from it")
-            pair.verdict = judged
+    _judge_times(pairs, base, new, threshold_pct / 100, alpha)
 
     only_base = [(c, i, pooled_status(r)) for (c, i), r in base.records.items() if (c, i) not in new.records]
     only_new = [(c, i, pooled_status(r)) for (c, i), r in new.records.items() if (c, i) not in base.records]
     return Comparison(base, new, threshold_pct, alpha, deterministic_only, comparable, pairs, only_base, only_new,
                       warnings, notes, time_advisory=advisory and not deterministic_only)
+
+
+def _judge_times(pairs: list[PairResult], base: Side, new: Side, threshold: float, alpha: float) -> None:
+    """Each timed pair's verdict: the interval and the BH-corrected q-value, then the rules past the statistics
+    (bench.analysis.stats.judge: different code paths, a busy side, a record above the roof), each noted."""
+    tested = [p for p in pairs if p.time is not None and p.time.note is None]
+    for pair, q in zip(tested, cs.benjamini_hochberg([p.time.p_value for p in tested if p.time]), strict=True):
+        pair.q_value = q
+    for pair in pairs:
+        if pair.time is None:
+            continue
+        verdict = cs.verdict(pair.time, pair.q_value if pair.q_value is not None else 1.0, threshold, alpha)
+        b, n = base.records[pair.key], new.records[pair.key]
+        busy = cs.busy_side([("BASE", b), ("NEW", n)])
+        path, roof = cs.path_change(b, n), cs.above_roof([("BASE", b), ("NEW", n)])
+        pair.verdict = cs.judge(verdict, busy, path, roof)
+        if pair.verdict == cs.PATH:
+            pair.notes.append(f"PATH: {path}")
+        elif pair.verdict == cs.NOISY and verdict != cs.NOISY:
+            pair.notes.append(f"NOISY: {busy}; the time change is not called")
+        if roof is not None:
+            pair.notes.append(f"{roof}: no gain is claimed from it")
 
 
 def compare_specs(base_spec: str, new_spec: str, *, results: Path = Path("results"), suite: str | None = None,

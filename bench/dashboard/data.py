@@ -201,7 +201,7 @@ def row_from_record(run: Run, record: Record) -> Row:
         interpreter=record.interpreter,
         busy=record.contention.reason if record.busy and record.contention else None,
         above_roof=record.peak.above_roof_reason if record.peak is not None and record.peak.above_roof else None,
-        fallback=f"{record.fallback.get('path')}: {record.fallback.get('reason')}" if record.fallback else None,
+        fallback=f"{record.fallback.path}: {record.fallback.reason}" if record.fallback else None,
         median_s=time_s.median if time_s is not None else None, ci95_s=ci, samples=time_s.n if time_s else 0,
         peak_bytes=record.memory.peak_bytes if record.memory else None,
         memory_method=record.memory.method if record.memory else None,

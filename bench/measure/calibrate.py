@@ -38,6 +38,8 @@ class Settings:
     min_n: dict[str, int] = field(default_factory=lambda: {"cpu": 1024, "cuda": 4096})
     max_n: dict[str, int] = field(default_factory=lambda: {"cpu": 4096, "cuda": 16384})
     copy_bytes: dict[str, int] = field(default_factory=lambda: {"cpu": 256 * 2**20, "cuda": 2**30})
+    # the CPU's copy and read buffers are at least this many times its last-level cache (0: copy_bytes as given)
+    past_llc: int = 4
 
 
 QUICK = Settings(TimingPolicy(warmup=1, repeat=5, max_time_s=0.5), 0.05, {"cpu": 512, "cuda": 4096},
@@ -79,7 +81,7 @@ def copy_bandwidth(device: str, settings: Settings, timer: Timer | None = None) 
     import torch
 
     timer = timer or timer_for(device)
-    nbytes = _past_the_caches(settings.copy_bytes[device.split(":")[0]], device)
+    nbytes = _past_the_caches(settings.copy_bytes[device.split(":")[0]], device, settings.past_llc)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     stats = measure(lambda: dst.copy_(src), settings.policy, timer)
@@ -93,7 +95,7 @@ def read_bandwidth(device: str, settings: Settings, timer: Timer | None = None, 
     import torch
 
     timer = timer or timer_for(device)
-    nbytes = _past_the_caches(settings.copy_bytes[device.split(":")[0]] * 2, device)
+    nbytes = _past_the_caches(settings.copy_bytes[device.split(":")[0]] * 2, device, settings.past_llc)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     previous = torch.get_num_threads()
     if threads is not None:
@@ -106,15 +108,15 @@ def read_bandwidth(device: str, settings: Settings, timer: Timer | None = None, 
                      time_s=_brief(stats))
 
 
-def _past_the_caches(nbytes: int, device: str) -> int:
-    """At least four times the CPU's last-level cache (read from the machine), so that the buffer streams from
+def _past_the_caches(nbytes: int, device: str, multiple: int) -> int:
+    """At least `multiple` times the CPU's last-level cache (read from the machine), so that the buffer streams from
     memory: a 512 MB read on a CPU with a 480 MB last-level cache would mostly measure the cache."""
     if device.startswith("cuda"):
         return nbytes
     from bench.measure.cold import last_level_cache
 
     llc = last_level_cache().bytes or 0
-    return max(nbytes, 4 * llc)
+    return max(nbytes, multiple * llc)
 
 
 def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings | None = None,

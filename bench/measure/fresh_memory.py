@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from bench import registry
 from bench.measure.case_cache import CaseCache
 from bench.measure.memory import measure_peak, track_allocations
-from bench.measure.prepare import StagedCase, prepare_case, stage_case
+from bench.measure.prepare import PreparedCase, StagedCase, prepare_case, stage_case
 from bench.measure.steps import call_inputs, make_inputs
 from bench.measure.task import Task
 from bench.results.records import MemoryInfo
@@ -47,6 +47,27 @@ class FreshRequest(BaseModel):
 # The pair's memory figure measured in a fresh process (`memory_alone` there): the task and a reference
 # selection's file (or None); raises FreshMemoryFailed
 FreshMemory = Callable[[Task, str | None], MemoryInfo]
+
+
+def pair_memory(prepared: PreparedCase, task: Task, fresh: FreshMemory | None) -> MemoryInfo:
+    """A prepared pair's memory figure: on CPU in a fresh process where the caller can fork one (`fresh`) and the
+    suite asks for it, else in this process after its timing (`process: shared`, with why where the fresh one
+    failed). A reference selector's case measures the attention over its selection, which travels in a file."""
+    case = prepared.staged.case
+    note = None
+    reference = reference_selection(prepared.staged)
+    if fresh is not None and case.device == "cpu" and task.measure.memory == "fresh":
+        try:
+            with selection_file(reference) as path:
+                return fresh(task, path)
+        except FreshMemoryFailed as exc:
+            note = f"measured in the worker after earlier cases: the fresh process failed ({exc})"
+    measured = measure_peak(prepared.memory_step, case.device)
+    if reference is not None:
+        measured = measured.model_copy(update={"note": REFERENCE_NOTE})
+    if measured.method != "rss_hwm":
+        return measured
+    return measured.model_copy(update={"process": "shared", "note": measured.note or note})
 
 
 def reference_selection(staged: StagedCase) -> Selection | None:

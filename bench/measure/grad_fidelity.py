@@ -8,10 +8,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from bench.measure.case_cache import CaseCache
 from bench.measure.check import GRAD_NAMES, Grads, OracleResults, checked_rows, rows_only
+from bench.measure.fidelity import fidelity
+from bench.measure.prepare import StagedCase
 from bench.measure.reference import reference_attention
 from bench.patterns import Pattern
-from bench.results.records import GradFidelity
+from bench.results.records import FidelityInfo, GradFidelity
 from bench.spec.case import Case
 
 
@@ -39,3 +42,17 @@ def gradient_fidelity(selected: Grads, dense: Grads) -> dict[str, GradFidelity]:
         cos = float(torch.nn.functional.cosine_similarity(s64, d64, dim=0)) if norm > 0 else None
         out[name] = GradFidelity(rel_l2=rel, cosine=cos)
     return out
+
+
+def case_fidelity(staged: StagedCase, cache: CaseCache) -> FidelityInfo:
+    """A selection case's fidelity to dense attention under its base pattern (bench.measure.fidelity), with its
+    gradients' in fwd_bwd: computed for the case's first implementation, kept in `cache` for the rest."""
+    if cache.fidelity is None:
+        assert cache.inputs is not None and staged.selection is not None
+        cache.fidelity = fidelity(staged.selection, staged.pattern, cache.inputs, staged.case.seed)
+        if staged.grad_out is not None and cache.oracle.selected_grads is not None:
+            dense = dense_grads(staged.case, staged.pattern, staged.q, staged.k, staged.v, staged.grad_out,
+                                cache.oracle)
+            grads = gradient_fidelity(cache.oracle.selected_grads, dense)
+            cache.fidelity = cache.fidelity.model_copy(update={"grads": grads})
+    return cache.fidelity

@@ -10,10 +10,11 @@ prepare through the same `bench.measure.prepare`. The steps, in this order:
    implementation's untimed setup and its first call, the setup phases it marks timed apart;
 4. `PreparedCase.check`: the output (and dq, dk, dv in fwd_bwd) against the oracle, under the kind's mask;
    fidelity to dense attention for a selection;
-5. timing (`bench.measure.timing`), in one adaptive run or in short blocks (`PairSession.block`); a fwd_bwd
-   step's phases and a selection's parts apart (`bench.measure.step_timing`);
-6. memory (`bench.measure.memory`): on CPU, where the caller can, in a fresh process (`bench.measure.fresh_memory`,
-   run there by the worker's fork server, bench.run.forkserver), so that no earlier case moves the figure;
+5. timing (`bench.measure.timing`), in one adaptive run or in short blocks (`PairSession.block`), each call on fresh
+   inputs and cold caches (bench.measure.cold); a fwd_bwd step's phases and a selection's parts apart
+   (`bench.measure.step_timing`); then the kept outputs of timed calls checked (bench.measure.timed_check);
+6. memory: on CPU, where the caller can, in a fresh process (`bench.measure.fresh_memory`), so that no earlier
+   case moves the figure; the model's quality in a model case;
 7. the `Record`.
 
 Any exception of the implementation becomes a `failed` record naming the phase, an output off the oracle an
@@ -35,19 +36,11 @@ from bench.inputs import InputsInfo
 from bench.measure import flops as flop_counts
 from bench.measure.calibrate import gpu_identity, peak_for
 from bench.measure.case_cache import CaseCache, case_attention_stats
-from bench.measure.cold import InputSets, TimedCalls, evictor_for, timing_info
+from bench.measure.cold import TimedCalls
 from bench.measure.contention import ContentionMeter, wait_for_quiet
 from bench.measure.env import cpu_features, device_description
-from bench.measure.fidelity import fidelity
-from bench.measure.fresh_memory import (
-    REFERENCE_NOTE,
-    FreshMemory,
-    FreshMemoryFailed,
-    reference_selection,
-    selection_file,
-)
-from bench.measure.grad_fidelity import dense_grads, gradient_fidelity
-from bench.measure.memory import measure_peak
+from bench.measure.fresh_memory import FreshMemory, pair_memory
+from bench.measure.grad_fidelity import case_fidelity
 from bench.measure.memory_model import does_not_fit
 from bench.measure.numerics import strict_problem
 from bench.measure.nvml import device_monitor
@@ -65,7 +58,7 @@ from bench.measure.steps import (
     skip_reason,
 )
 from bench.measure.task import Task
-from bench.measure.timed_check import StepKind, check_kept, input_sets
+from bench.measure.timed_check import StepKind, TimedSteps, input_sets
 from bench.measure.timing import Timer, TimingPolicy, measure, summarize, timer_for
 from bench.results.records import (
     AttentionStats,
@@ -139,8 +132,7 @@ class PairSession:
         self.problem: str | None = None
         self.samples: list[float] = []
         self.contention = ContentionMeter()  # over the timed calls only
-        self.sets: InputSets | None = None  # the values timed calls cycle through (bench.measure.cold)
-        self.timed: list[tuple[StepKind | None, TimedCalls]] = []  # every timed step, with what its outputs are
+        self.timed: TimedSteps | None = None  # the timed calls' inputs, caches and checks (bench.measure.cold)
         self.block_calls: TimedCalls | None = None  # bench ab's blocks: one run of calls across the blocks
 
     def _finish(self, **fields: Any) -> Record:
@@ -202,11 +194,12 @@ class PairSession:
         if self.timer is None:
             self.timer = timer_for(case.device, self.task.measure.cache)
         try:
-            self.sets = input_sets(self.prepared.staged, self.cache, self.task.measure.rotate)
+            sets = input_sets(self.prepared.staged, self.cache, self.task.measure.rotate)
         except Exception as exc:
             return self.failed(exc)
-        if self.sets is not None:
-            self.sets.after_load = self.prepared.call.refresh
+        if sets is not None:
+            sets.after_load = self.prepared.call.refresh
+        self.timed = TimedSteps(self.timer, sets, case.device, self.task.measure.cache)
         return None
 
     def _stage(self) -> StagedCase:
@@ -247,16 +240,7 @@ class PairSession:
             staged = self.prepared.staged
             if staged.selection is not None and staged.selector is not None:
                 self._phase("fidelity")
-                if self.cache.fidelity is None:
-                    assert self.cache.inputs is not None
-                    self.cache.fidelity = fidelity(staged.selection, staged.pattern, self.cache.inputs,
-                                                   self.case.seed)
-                    if staged.grad_out is not None and self.cache.oracle.selected_grads is not None:
-                        dense = dense_grads(self.case, staged.pattern, staged.q, staged.k, staged.v,
-                                            staged.grad_out, self.cache.oracle)
-                        grads = gradient_fidelity(self.cache.oracle.selected_grads, dense)
-                        self.cache.fidelity = self.cache.fidelity.model_copy(update={"grads": grads})
-                self.draft.fidelity = self.cache.fidelity
+                self.draft.fidelity = case_fidelity(staged, self.cache)
         except Exception as exc:
             return self.failed(exc)
         del out
@@ -288,32 +272,16 @@ class PairSession:
         return time_s, monitor.stop() if monitor is not None else None
 
     def calls(self, step: StepKind | None, policy: TimingPolicy) -> TimedCalls:
-        """A run of timed calls of one step: fresh inputs and cold caches before each, the outputs of `step`'s
-        calls to check kept (None: not checked), one drawn among the calls the policy surely makes."""
-        assert self.timer is not None
-        calls = TimedCalls(self.timer, self.sets, evictor_for(self.case.device, self.task.measure.cache),
-                           check_from=policy.warmup, check_to=policy.warmup + policy.repeat)
-        self.timed.append((step, calls))
-        return calls
+        """A run of timed calls of one step (bench.measure.timed_check.TimedSteps)."""
+        assert self.timed is not None
+        return self.timed.calls(step, policy)
 
     def check_timed(self) -> None:
         """The kept outputs of the timed calls against the oracle for their own inputs; the record's `timing`."""
-        assert self.prepared is not None
+        assert self.prepared is not None and self.timed is not None
         self._phase("timed check")
-        checked, worst = 0, None
-        for step, calls in self.timed:
-            kept = calls.to_check() if step is not None else []
-            if kept:
-                rel_l2, problem = check_kept(self.prepared, self.cache, self.sets, kept, step or "call",
-                                             self.task.measure.check)
-                checked += len(kept)
-                worst = rel_l2 if worst is None or (rel_l2 is not None and rel_l2 > worst) else worst
-                self.problem = self.problem or problem
-            calls.release()
-        if self.sets is not None:
-            self.sets.load(0)  # what the memory step, quality and the case's next implementation read
-        self.draft.timing = timing_info(self.task.measure.cache, self.case.device, self.sets, checked,
-                                        [calls for _, calls in self.timed], worst)
+        self.draft.timing, problem = self.timed.check(self.prepared, self.cache, self.task.measure.check)
+        self.problem = self.problem or problem
 
     def _time_phases(self, policy: TimingPolicy) -> None:
         assert self.prepared is not None
@@ -372,48 +340,19 @@ class PairSession:
         staged.q.grad = staged.k.grad = staged.v.grad = None  # freed inside the measured step, they'd hide its own
         started = time.perf_counter()
         try:
-            return self._memory()
+            return pair_memory(self.prepared, self.task, self.fresh)
         finally:
             self.draft.memory_s = time.perf_counter() - started
 
-    def _memory(self) -> MemoryInfo:
-        assert self.prepared is not None
-        note = None
-        reference = reference_selection(self.prepared.staged)
-        if self.fresh is not None and self.case.device == "cpu" and self.task.measure.memory == "fresh":
-            try:
-                with selection_file(reference) as path:
-                    return self.fresh(self.task, path)
-            except FreshMemoryFailed as exc:
-                note = f"measured in the worker after earlier cases: the fresh process failed ({exc})"
-        measured = measure_peak(self.prepared.memory_step, self.case.device)
-        if reference is not None:
-            measured = measured.model_copy(update={"note": REFERENCE_NOTE})
-        if measured.method != "rss_hwm":
-            return measured
-        return measured.model_copy(update={"process": "shared", "note": measured.note or note})
 
     def quality(self) -> None:
-        """A model case: the model scored with this implementation's attention and with the reference."""
+        """A model case: the model scored (and trained) with this implementation's attention and with the
+        reference; a step that fails says why in its block and keeps the kernel's measurement."""
         if self.case.model is None:
             return
-        from bench.measure.quality.evaluate import evaluate_quality, quality_failure  # imports transformers
+        from bench.measure.quality.model_step import score_model  # imports transformers
 
-        self._phase("quality")
-        try:
-            self.draft.quality = evaluate_quality(self.case, self.impl.name)
-        except Exception as exc:  # the kernel's measurement stands; the record says why the model was not scored
-            self.draft.quality = quality_failure(self.case, f"{describe_failure('quality', exc)[0]}")
-        if self.case.train is not None:
-            from bench.measure.quality.train import train_against_dense
-
-            self._phase("training")
-            try:
-                self.draft.training = train_against_dense(self.case, self.impl.name)
-            except Exception as exc:
-                assert self.case.train is not None
-                self.draft.training = TrainingInfo(steps=self.case.train.steps, lr=self.case.train.lr,
-                                                   error=describe_failure("training", exc)[0])
+        self.draft.quality, self.draft.training = score_model(self.case, self.impl.name, self._phase)
 
     def record(self, time_s: TimeStats, memory: MemoryInfo | None, device_state: DeviceState | None = None
                ) -> Record:

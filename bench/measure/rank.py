@@ -31,8 +31,8 @@ from bench import registry
 from bench.comm.communicator import Communicator, use
 from bench.comm.sharding import DistributedImpl, Shard
 from bench.errors import Unavailable
-from bench.inputs import another_set
 from bench.measure import flops as flop_counts
+from bench.measure.case_cache import CaseCache
 from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, rows_only
 from bench.measure.cold import InputSets, TimedCalls, evictor_for, timing_info
 from bench.measure.contention import ContentionMeter
@@ -44,6 +44,7 @@ from bench.measure.rank_part import CaseFigures, ExpectedComm, LevelCount, OpCou
 from bench.measure.reference import tolerance_for
 from bench.measure.steps import call_inputs, describe_failure, failure_kind, make_inputs, policy_of, skip_reason
 from bench.measure.task import Task
+from bench.measure.timed_check import input_sets
 from bench.measure.timing import CpuTimer, measure
 from bench.measure.topology import node_label, node_of_rank
 from bench.patterns import Pattern
@@ -133,12 +134,8 @@ def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: P
                        comm: Communicator, phases: _Phases, out: RankPart) -> _RankCase:
     """Inputs and their other sets, prepare and the first call (bench.measure.prepare, as every caller), the oracle
     check (gathered to rank 0, uncounted); the timed step."""
-    made = make_inputs(case)
-    q, k, v, grad_out = call_inputs(case, made)
-    sets = None
-    if task.measure.rotate:  # every rank draws the same sets from the case's seed
-        sets = InputSets.of((q, k, v), [another_set(made, case.inputs, case.inputs_shape(), case.torch_dtype,
-                                                    case.device)])
+    cache = CaseCache(inputs=make_inputs(case))
+    q, k, v, grad_out = call_inputs(case, cache.inputs)
     shards = [impl.shard(case, r) for r in range(ctx.world_size)]
     kv_shards = [impl.kv_shard(case, r) for r in range(ctx.world_size)]
     mine = shards[ctx.rank]
@@ -148,7 +145,9 @@ def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: P
         return grad_out if result.shape == grad_out.shape else mine.take(grad_out)
 
     phases.enter("prepare")
-    prepared = prepare_case(impl, stage_case(case, pattern, q, k, v, grad_out), phases.enter, upstream)
+    prepared = prepare_case(impl, stage_case(case, pattern, q, k, v, grad_out, cache), phases.enter, upstream)
+    # every rank draws the same sets from the case's seed (a paged case's pool included)
+    sets = input_sets(prepared.staged, cache, task.measure.rotate)
     out.setup_s, out.setup, out.config = prepared.call.setup_s, prepared.call.setup, prepared.call.config or {}
     result = prepared.output
     held = _held_output(result, mine, case)  # raises on a wrong shape

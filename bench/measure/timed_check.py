@@ -10,6 +10,7 @@ fixed selection (a selection's attention step) or the selection the selector mak
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 from torch import Tensor
@@ -18,10 +19,12 @@ from bench.inputs import another_set
 from bench.inputs.paged import page_kv
 from bench.measure.case_cache import CaseCache
 from bench.measure.check import OracleResults, check_against_oracle
-from bench.measure.cold import InputSets, KeptCall
+from bench.measure.cold import InputSets, KeptCall, TimedCalls, evictor_for, timing_info
 from bench.measure.paged import check_sequences
 from bench.measure.prepare import PreparedCase, StagedCase
 from bench.measure.selected import check_selected, split_output
+from bench.measure.timing import Timer, TimingPolicy
+from bench.results.records import TimingInfo
 from bench.selection import Selection, run_selector
 
 # Which of a pair's timed steps a kept output came from: the plain or paged call (and a selection's end to end),
@@ -115,3 +118,40 @@ def _selection_of(staged: StagedCase, cache: CaseCache, input_set: int) -> Selec
         chosen.validate(case.batch, case.heads, case.n_kv_heads, case.n_queries, case.seq_len)
         cache.set_selections[input_set] = chosen
     return cache.set_selections[input_set]
+
+
+@dataclass
+class TimedSteps:
+    """Every run of timed calls of one pair (the steps it times), on one timer, input sets and cache state."""
+
+    timer: Timer
+    sets: InputSets | None
+    device: str
+    cache: str  # cold | warm
+    runs: list[tuple[StepKind | None, TimedCalls]] = field(default_factory=list)
+
+    def calls(self, step: StepKind | None, policy: TimingPolicy) -> TimedCalls:
+        """A run of timed calls of one step: fresh inputs and cold caches before each, the outputs of `step`'s
+        calls to check kept (None: not checked), one drawn among the calls the policy surely makes."""
+        calls = TimedCalls(self.timer, self.sets, evictor_for(self.device, self.cache), check_from=policy.warmup,
+                           check_to=policy.warmup + policy.repeat)
+        self.runs.append((step, calls))
+        return calls
+
+    def check(self, prepared: PreparedCase, case_cache: CaseCache, full: bool) -> tuple[TimingInfo, str | None]:
+        """The kept outputs against the oracle for their own inputs: the record's `timing` and the first problem.
+        The staged tensors hold set 0's values again afterwards (what the memory step, quality and the case's next
+        implementation read)."""
+        checked, worst, problem = 0, None, None
+        for step, calls in self.runs:
+            kept = calls.to_check() if step is not None else []
+            if kept:
+                rel_l2, found = check_kept(prepared, case_cache, self.sets, kept, step or "call", full)
+                checked += len(kept)
+                worst = rel_l2 if worst is None or (rel_l2 is not None and rel_l2 > worst) else worst
+                problem = problem or found
+            calls.release()
+        if self.sets is not None:
+            self.sets.load(0)
+        info = timing_info(self.cache, self.device, self.sets, checked, [calls for _, calls in self.runs], worst)
+        return info, problem

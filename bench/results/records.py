@@ -33,11 +33,42 @@ PeakSource = Literal["calibrated", "datasheet"]
 Source = Literal["measured", "modelled"]
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
-__all__ = ["AttentionStats", "CommInfo", "CommLevel", "CommOp", "ContentionInfo", "DeviceState", "Distribution",
-           "ErrorInfo", "FailureKind", "FidelityInfo", "GpuIdentity", "GpuState", "GradError", "GradFidelity",
-           "InputsInfo", "LinkBytes", "MemoryInfo", "PeakInfo", "QualityInfo", "RankComm", "Record", "RecordGit",
-           "RunInfo", "SelectionInfo", "SetupTimes", "Spread", "Status", "StoppedBy", "SuiteInfo", "TimeStats",
-           "TimingInfo", "Topology", "TrainingInfo"]
+__all__ = [
+    "AttentionStats",
+    "CommInfo",
+    "CommLevel",
+    "CommOp",
+    "ContentionInfo",
+    "DeviceState",
+    "Distribution",
+    "ErrorInfo",
+    "FailureKind",
+    "Fallback",
+    "FidelityInfo",
+    "GpuIdentity",
+    "GpuState",
+    "GradError",
+    "GradFidelity",
+    "InputsInfo",
+    "LinkBytes",
+    "MemoryInfo",
+    "PeakInfo",
+    "QualityInfo",
+    "RankComm",
+    "Record",
+    "RecordGit",
+    "RunInfo",
+    "SelectionInfo",
+    "SetupTimes",
+    "Spread",
+    "Status",
+    "StoppedBy",
+    "SuiteInfo",
+    "TimeStats",
+    "TimingInfo",
+    "Topology",
+    "TrainingInfo",
+]
 
 
 class TimeStats(BaseModel):
@@ -217,6 +248,14 @@ class FidelityInfo(BaseModel):
     grads: dict[str, GradFidelity] | None = None  # fwd_bwd: dq, dk, dv against dense attention's ([R4 3/6])
 
 
+class Fallback(BaseModel):
+    """`config.fallback`: the slower path an implementation measured under its name, and why its own could not run."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    path: str | None = None
+    reason: str | None = None
+
+
 class RecordGit(BaseModel):
     """The code that measured a record: its commit and whether tracked files differed from it."""
 
@@ -280,10 +319,10 @@ class Record(BaseModel):
         return self.contention is not None and self.contention.verdict == "busy"
 
     @property
-    def fallback(self) -> dict[str, Any] | None:
+    def fallback(self) -> Fallback | None:
         """{path, reason} where the implementation measured a slower path than its own under its name."""
         value = (self.config or {}).get("fallback")
-        return value if isinstance(value, dict) else None
+        return Fallback.model_validate(value) if isinstance(value, dict) else None
 
     @property
     def code_path(self) -> tuple[str, ...]:

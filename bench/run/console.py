@@ -7,7 +7,6 @@ output is not a terminal each finished (case, impl) is one plain line, which CI 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -23,7 +22,7 @@ from rich.table import Table
 
 from bench.console.format import format_seconds
 from bench.console.terminal import STATUS_STYLE
-from bench.results.records import Record
+from bench.results.records import Fallback, Record
 
 BUSY_MARK = "!"  # a time measured while the machine was busy
 ABOVE_ROOF_MARK = "ABOVE THE ROOF:"  # a figure past what the memory or the matmul unit delivers: claims nothing
@@ -179,17 +178,17 @@ def busy_line(records: list[Record]) -> str | None:
 def fallback_lines(records: list[Record]) -> list[str]:
     """One line per implementation that measured a slower path under its own name (`config.fallback`): how many of
     its pairs, which path, and the first reason."""
-    by_impl: dict[str, list[dict[str, Any]]] = {}
+    by_impl: dict[str, list[Fallback]] = {}
     for r in records:
         fallback = r.fallback
         if fallback is not None:
             by_impl.setdefault(r.impl, []).append(fallback)
     lines = []
     for impl, seen in by_impl.items():
-        paths = sorted({str(f.get("path")) for f in seen})
+        paths = sorted({str(f.path) for f in seen})
         measured = sum(r.impl == impl and r.status in ("ok", "incorrect") for r in records)
         lines.append(f"{impl} FELL BACK in {len(seen)} of {measured} measured pairs (path {', '.join(paths)}): "
-                     f"{seen[0].get('reason')}")
+                     f"{seen[0].reason}")
     return lines
 
 

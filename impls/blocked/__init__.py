@@ -209,15 +209,7 @@ class Blocked(Impl):
         bs = case.block_size
         scale = softmax_scale(case.head_dim)
         if self.decode_ready(case) and decode_unavailable(q, case.mode) is None:
-            with setup_phase("mask"):
-                base = pattern.dense_mask()  # (Nq, N)
-            self._extras = {"path": "decode_selected", "block_size": bs, "group_size": group}
-
-            def attend_decode(selection):
-                masks = selection.dense_mask(base, h, hkv).reshape(b * hkv, group * nq, n)  # rows gi * nq + t
-                return decode_attention(masks_plan(masks, bs), q, k, v, scale)
-
-            return attend_decode
+            return self._decode_selected(case, pattern, q, k, v)
         kernel_missing: str | None = "mode fwd_bwd: the kernel is inference only"
         if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
             with setup_phase("compile"):
@@ -262,6 +254,21 @@ class Blocked(Impl):
             return out.reshape(q.shape), lse.reshape(b, h, nq)
 
         return attend
+
+    def _decode_selected(self, case, pattern, q, k, v):
+        """A few query rows over a selection: the decode kernel, each (sequence, KV head) through its mask."""
+        b, h, nq, _ = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        bs, scale = case.block_size, softmax_scale(case.head_dim)
+        with setup_phase("mask"):
+            base = pattern.dense_mask()  # (Nq, N)
+        self._extras = {"path": "decode_selected", "block_size": bs, "group_size": h // hkv}
+
+        def attend_decode(selection):
+            masks = selection.dense_mask(base, h, hkv).reshape(b * hkv, (h // hkv) * nq, n)  # rows gi * nq + t
+            return decode_attention(masks_plan(masks, bs), q, k, v, scale)
+
+        return attend_decode
 
     def record_extras(self) -> dict[str, object]:
         return dict(self._extras)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,14 +72,14 @@ class Swap:
 _ACTIVE: contextvars.ContextVar[Swap | None] = contextvars.ContextVar("bench_swap", default=None)
 
 
-def _case_for(swap: Swap, query: Tensor, key: Tensor, asked: dict[str, Any]) -> Case:
+def _case_for(swap: Swap, query: Tensor, key: Tensor, asked: LayerAsks) -> Case:
     """The case of one layer call: the template at the call's shape, with what the layer asks applied."""
     b, h, nq, d = query.shape
     n, hkv = key.shape[2], key.shape[1]
     backward = torch.is_grad_enabled() and query.requires_grad
-    return replace(swap.template, batch=b, heads=h, kv_heads=None if hkv == h else hkv, head_dim=d, seq_len=n,
-                   q_len=None if nq == n else nq, dtype=_NAMES[query.dtype], device=query.device.type,
-                   mode="fwd_bwd" if backward else "fwd", **asked)
+    return asked.apply(replace(swap.template, batch=b, heads=h, kv_heads=None if hkv == h else hkv, head_dim=d,
+                               seq_len=n, q_len=None if nq == n else nq, dtype=_NAMES[query.dtype],
+                               device=query.device.type, mode="fwd_bwd" if backward else "fwd"))
 
 
 # What a layer may pass to its attention that changes nothing here: positions (rotary is applied before the call),
@@ -88,8 +88,24 @@ _INERT = frozenset({"position_ids", "cache_position", "use_cache", "output_atten
                     "past_key_value", "is_causal", "layer_idx", "position_embeddings"})
 
 
+@dataclass(frozen=True)
+class LayerAsks:
+    """What a layer's attention asks beyond the template: a sliding window (the pattern causal_local) and a softcap."""
+
+    window: int | None = None
+    softcap: float | None = None
+
+    def apply(self, case: Case) -> Case:
+        """`case` with what the layer asks: the pattern causal_local at the window, the score_mod softcap."""
+        if self.window is not None:
+            case = replace(case, pattern="causal_local", window=self.window)
+        if self.softcap is not None:
+            case = replace(case, score_mod="softcap", softcap=self.softcap)
+        return case
+
+
 def layer_asks(template: Case, layer: int | None, scaling: float | None, d: int, dropout: float,
-               kwargs: dict[str, Any]) -> dict[str, Any]:
+               kwargs: Mapping[str, object]) -> LayerAsks:
     """The case fields a layer's own attention asks for beyond the template (a sliding window as the pattern
     causal_local, a logit softcap as the score_mod softcap); Unavailable naming any keyword the swap cannot apply."""
     where = f"layer {layer}"
@@ -98,26 +114,28 @@ def layer_asks(template: Case, layer: int | None, scaling: float | None, d: int,
                           "implementations compute softmax(q k^T / sqrt(D))")
     if dropout:
         raise Unavailable(f"{where} passes dropout={dropout:g}: evaluate the model in eval mode")
-    asked: dict[str, Any] = {}
-    window = kwargs.get("sliding_window")
+    window, cap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    own_window = None
     if window is not None:
         if template.pattern not in ("causal", "causal_local"):
             raise Unavailable(f"{where} passes sliding_window={window}: the swap applies it as causal_local over a "
                               f"causal or causal_local base pattern, not {template.pattern}")
-        own = template.window if template.pattern == "causal_local" else window
-        asked.update(pattern="causal_local", window=min(int(window), int(own)))
-    cap = kwargs.get("softcap")
+        own_window = int(window)  # type: ignore[call-overload]
+        if template.pattern == "causal_local":
+            own_window = min(own_window, int(template.window))
+    own_cap = None
     if cap is not None:
+        own_cap = float(cap)  # type: ignore[arg-type]
         if template.score_mod not in (None, "none", "softcap") or (template.score_mod == "softcap" and
-                                                            not math.isclose(float(template.softcap or 0), cap)):
-            raise Unavailable(f"{where} passes softcap={cap:g}, which the case's score_mod {template.score_mod} "
-                              "would replace")
-        asked.update(score_mod="softcap", softcap=float(cap))
+                                                                    not math.isclose(float(template.softcap or 0),
+                                                                                     own_cap)):
+            raise Unavailable(f"{where} passes softcap={own_cap:g}, which the case's score_mod "
+                              f"{template.score_mod} would replace")
     for name, value in kwargs.items():
         if name not in _INERT and name not in ("sliding_window", "softcap") and value is not None:
             raise Unavailable(f"{where} passes {name}={_brief(value)} to its attention, which the swap does not "
                               "apply")
-    return asked
+    return LayerAsks(own_window, own_cap)
 
 
 def _brief(value: Any) -> str:
