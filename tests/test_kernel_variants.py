@@ -76,8 +76,9 @@ def test_each_variant_compiles_and_where_this_cpu_has_it_runs_right(isa, tmp_pat
                 pytest.fail(f"{source.name} does not compile for {isa}:\n{exc.stderr[-3000:]}")
         return
     onednn, mkl = LIBRARY_LEVEL[isa]
+    # Inductor's cache keys ignore ATEN_CPU_CAPABILITY: a process held to another level keeps its own
     env = {**os.environ, "ATEN_CPU_CAPABILITY": isa.lower(), "ONEDNN_MAX_CPU_ISA": onednn,
-           "MKL_ENABLE_INSTRUCTIONS": mkl, "PYTHONPATH": str(ROOT)}
+           "MKL_ENABLE_INSTRUCTIONS": mkl, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

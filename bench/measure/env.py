@@ -145,13 +145,18 @@ def cpu_info() -> CpuInfo:
     except AttributeError:
         usable = os.cpu_count()
     return CpuInfo(model=model, logical_cores=os.cpu_count(), usable_cores=usable, machine=platform.machine(),
-                   features=[f for f in CPU_FEATURES if f in flags], torch_threads=torch.get_num_threads())
+                   features=[f for f in CPU_FEATURES if f in flags], torch_threads=torch.get_num_threads(),
+                   capability=torch.backends.cpu.get_cpu_capability())
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_features() -> list[str]:
-    """This CPU's instruction-set features among CPU_FEATURES (read once per process)."""
-    return list(cpu_info().features)
+    """This CPU's instruction-set features among CPU_FEATURES that this process's torch uses (read once per process):
+    where ATEN_CPU_CAPABILITY holds torch below the CPU (AVX2 on an AVX512 machine), the levels above it are left
+    out, as a CPU of that level would not have them."""
+    info = cpu_info()
+    above = {"DEFAULT": ("avx", "fma", "amx"), "AVX2": ("avx512", "amx")}.get(info.capability or "", ())
+    return [f for f in info.features if not f.startswith(above)]
 
 
 def versions() -> Versions:
@@ -231,4 +236,5 @@ def device_description(device: str) -> str:
 
         index = torch.cuda.current_device()
         return f"cuda:{index} {torch.cuda.get_device_name(index)}"
-    return f"cpu: {cpu_info().model}"
+    info = cpu_info()
+    return f"cpu: {info.model} ({info.capability})" if info.capability else f"cpu: {info.model}"

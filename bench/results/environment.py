@@ -43,6 +43,9 @@ class CpuInfo(BaseModel):
     machine: str | None = None
     features: list[str] = Field(default_factory=list)
     torch_threads: int | None = None
+    # torch's CPU capability: the vector level its kernels (and blocked's) are built for, DEFAULT, AVX2 or AVX512;
+    # lower than the features where ATEN_CPU_CAPABILITY holds it down
+    capability: str | None = None
 
 
 class GpuInfo(BaseModel):

@@ -332,7 +332,8 @@ class Record(BaseModel):
         compiled = str(config.get("compiled", ""))
         return (str(config.get("path", "")), "fallback" if self.fallback is not None else "",
                 "interpreter" if self.interpreter else "",
-                "uncompiled" if compiled.startswith("uncompiled") else "compiled" if compiled else "")
+                "uncompiled" if compiled.startswith("uncompiled") else "compiled" if compiled else "",
+                *(str(config.get(key, "")) for key in ("products", "engine", "gemm")))
 
     @model_validator(mode="before")
     @classmethod
