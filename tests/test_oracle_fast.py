@@ -84,9 +84,10 @@ def test_the_fast_masses_equal_the_softmax_masses_within_rounding(shape):
 def test_a_near_tie_at_the_boundary_is_found_and_a_clear_choice_is_not():
     masses = torch.tensor([[[[0.5, 0.3, 0.3 - 1e-7, 0.0]], [[0.5, 0.3, 0.1, 0.1]]]])  # (1, 2, 1, 4)
     wanted = torch.tensor([[[2], [2]]])
-    ties = oracle._near_ties(masses, wanted)
+    ties = oracle._near_ties(masses, wanted, 1e-6)  # each mass within 1e-6 of its exact value
     assert ties.tolist() == [[[True], [False]]]
-    assert not oracle._near_ties(masses.masked_fill(torch.arange(4) == 2, -math.inf), wanted).any()
+    assert not oracle._near_ties(masses.masked_fill(torch.arange(4) == 2, -math.inf), wanted, 1e-6).any()
+    assert not oracle._near_ties(masses, wanted, 1e-8).any()  # a tighter bound: 1e-7 apart is no tie
 
 
 def test_a_planted_near_tie_is_decided_by_float64():

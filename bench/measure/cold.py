@@ -135,10 +135,6 @@ class InputSets:
         if self.after_load is not None:
             self.after_load()
 
-    def nbytes(self) -> int:
-        """The memory the extra sets hold beyond the targets themselves."""
-        return sum(t.numel() * t.element_size() for values in self.sets for t in values)
-
 
 @dataclass
 class KeptCall:
