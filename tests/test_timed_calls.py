@@ -170,6 +170,8 @@ def test_a_figure_past_a_roof_is_marked_with_its_reason():
     # bfloat16 on a CPU without bfloat16 products is held to its float32 rate, not the emulated bfloat16 one
     avx2 = peak_for(4e10, "bfloat16", "cpu", False, calibration, cpu_features=["avx2", "fma"])
     assert avx2.peak_flops == 1e11 and "widened" in avx2.hardware and avx2.above_roof is False
+    default = peak_for(4e10, "bfloat16", "cpu", False, calibration, cpu_features=[])  # torch held to DEFAULT
+    assert default.peak_flops == 1e11 and "widened" in default.hardware
     native = peak_for(4e10, "bfloat16", "cpu", False, calibration, cpu_features=["avx512f", "avx512_bf16"])
     assert native.peak_flops == 1e10 and native.above_roof and "compute roof" in native.above_roof_reason
 

@@ -14,6 +14,7 @@ and uses that one.
 from __future__ import annotations
 
 import json
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,17 +204,20 @@ def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
     rates = calibration.matmul if calibration is not None else {}
     key = "tf32" if device.startswith("cuda") and dtype == "float32" and tf32 and "tf32" in rates else dtype
     widened = (not device.startswith("cuda") and cpu_features is not None and dtype in NATIVE_DOT
-               and any(f in cpu_features for f in ("avx2", "avx512f"))
-               and not any(f in cpu_features for f in NATIVE_DOT[dtype]) and "float32" in rates)
+               and platform.machine() in ("x86_64", "AMD64")
+               and not any(f in cpu_features for f in NATIVE_DOT[dtype]))
     spec = None
     if device.startswith("cuda") and gpu is not None:
         from bench.measure.hardware import match_gpu
 
         spec = match_gpu(*gpu)
-    if widened:
+    if widened and "float32" in rates:
         out.update(peak_flops=max(rates["float32"].flops_per_s, rates[dtype].flops_per_s if dtype in rates else 0),
                    source="calibrated", hardware=f"{calibration.device if calibration else None} float32 matmul "
                                                  f"({dtype} widened: no {' or '.join(NATIVE_DOT[dtype])})")
+    elif widened:  # its own rate times emulation: no compute roof rather than a wrong one
+        out.update(hardware=f"no compute roof: {dtype} is widened here (no {' or '.join(NATIVE_DOT[dtype])}) and "
+                            "float32's matmul rate was not calibrated")
     elif key in rates:
         peak = rates[key].flops_per_s
         out.update(peak_flops=peak, source="calibrated", hardware=f"{calibration.device if calibration else None} "

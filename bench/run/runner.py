@@ -276,7 +276,8 @@ def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id:
     env = env.model_copy(update={"load": RunLoad(start=machine_load()), "code": _code_of(suite)})
     if suite.measure.calibrate:
         console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
-    dtypes = sorted({c.dtype for c in suite.cases})
+    # float32 always: the roof of 16-bit dtypes on a CPU that widens them (bench.measure.calibrate.NATIVE_DOT)
+    dtypes = sorted({c.dtype for c in suite.cases} | {"float32"})
     calibrated = calibration.for_run(suite.measure.calibrate, backend, dtypes, options.out, env.fingerprint or "")
     if calibrated is not None:
         env = env.model_copy(update={"calibration": calibrated})

@@ -121,7 +121,8 @@ class Blocked(Impl):
                         make_plan(pattern, FUSED_ROWS, b * hkv, group, scale, q.device, q.dtype)
                     fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan
         shown = table if table is not None else fused if fused is not None else plan
-        self._extras = {"path": "band_fused" if shown is fused else shown.path, "gemm": gemm_engine(q.dtype),
+        self._extras = {"path": "band_fused" if shown is fused else shown.path,
+                        "gemm": gemm_engine(q.dtype, kernel=shown is table),
                         "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
                         "group_size": group, **_computed(shown, table, case, pattern, q, n, group, mod is not None)}
@@ -219,7 +220,8 @@ class Blocked(Impl):
         with setup_phase("mask"):
             slot, masks = base_slots(pattern, bs)
         self._extras = {"path": "kernel_selected" if kernel_missing is None else "gather_selected",
-                        "gemm": gemm_engine(q.dtype), "block_size": bs, "group_size": group}
+                        "gemm": gemm_engine(q.dtype, kernel=kernel_missing is None), "block_size": bs,
+                        "group_size": group}
         products = kernel_products(q.dtype, bs, d, False) if kernel_missing is None else None
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing

@@ -191,13 +191,13 @@ def widened(dtype: torch.dtype) -> bool:
     return module is not None and not (module.library_packs(dtype) or has_bf16_dot_products())
 
 
-def gemm_engine(dtype: torch.dtype) -> str:
+def gemm_engine(dtype: torch.dtype, kernel: bool = False) -> str:
     """The instructions this machine's GEMMs run for `dtype` (the record's config.gemm, in prefill and over
-    selections, the kernel's and the torch steps' alike; `kernel_products` says whether the kernel's ran through
-    oneDNN or its own tiles): amx_bf16 (AMX tiles),
-    avx512_bf16 (AVX512-BF16 dot products), emulated (16-bit products without either), or fp32 at torch's CPU
-    capability (e.g. fp32_avx512)."""
-    if dtype not in (torch.bfloat16, torch.float16) or widened(dtype):
+    selections; `kernel`: the kernel's, else the torch steps'; `kernel_products` says whether the kernel's ran
+    through oneDNN or its own tiles): amx_bf16 (AMX tiles), avx512_bf16 (AVX512-BF16 dot products), emulated
+    (16-bit products without either, in torch's steps), or fp32 at torch's CPU capability (e.g. fp32_avx512; the
+    kernel's bfloat16 where it widens it)."""
+    if dtype not in (torch.bfloat16, torch.float16) or (kernel and widened(dtype)):
         return f"fp32_{torch.backends.cpu.get_cpu_capability().lower()}"
     features = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
     if dtype == torch.bfloat16 and features.get("amx_bf16", False):
