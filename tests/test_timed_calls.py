@@ -188,3 +188,32 @@ def test_the_console_marks_records_above_the_roof_and_fallbacks():
         "path": "gather", "reason": "the CPU kernel could not be built"}}})
     assert fallback_lines([fell, above]) == ["blocked FELL BACK in 1 of 2 measured pairs (path gather): the CPU "
                                              "kernel could not be built"]
+
+
+class RaisesWhileTimed(registry.Impl):
+    """Right, until its fourth call raises: the harness had written the other input set into q, k, v for it."""
+
+    name = "planted_raises_while_timed"
+
+    def prepare(self, case, pattern, q, k, v):
+        calls = [0]
+
+        def call():
+            calls[0] += 1
+            if calls[0] == 4:
+                raise RuntimeError("planted failure")
+            return _attention(q, k, v, pattern)
+
+        return call
+
+
+def test_a_call_that_raises_while_timed_leaves_the_next_implementation_its_own_inputs(monkeypatch):
+    planted = RaisesWhileTimed()
+    real_get = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: planted if name == planted.name else real_get(name))
+    case = Case(heads=2, head_dim=16, seq_len=64, pattern="causal", device="cpu")
+    cache = CaseCache()
+    failed = measure_task(Task.of(case, planted.name, QUICK), cache)
+    assert failed.status == "failed" and "planted failure" in failed.reason
+    after = measure_task(Task.of(case, "dense", QUICK), cache)  # the same inputs, shared through the cache
+    assert after.status == "ok", after.reason

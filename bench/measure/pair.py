@@ -144,7 +144,10 @@ class PairSession:
                       wall_s=time.perf_counter() - self._t0, phases_s=dict(self.phases_s))
 
     def failed(self, exc: BaseException) -> Record:
-        """The failed record of an exception in the current phase (an out-of-memory one says so)."""
+        """The failed record of an exception in the current phase (an out-of-memory one says so). The case's inputs
+        get their own values back: a call that raised while timed may leave another set in them."""
+        if self.timed is not None and self.timed.sets is not None:
+            self.timed.sets.load(0)
         reason, details = describe_failure(self.current, exc)
         return self._finish(status="failed", reason=reason, details=details, failure=failure_kind(exc))
 
