@@ -4,6 +4,8 @@ characters before, which rarely held the cause)."""
 
 from __future__ import annotations
 
+import pytest
+
 from impls.blocked import kernel
 
 
@@ -25,3 +27,30 @@ def test_a_failed_build_keeps_the_whole_log_and_points_to_it(tmp_path, monkeypat
     assert "error: 'brgemm' is not a member of 'at::native::cpublas'" in reason
     assert reason.endswith(f"the whole compiler log: {saved}")
     assert log in saved.read_text()  # all of it, not its tail
+
+
+def test_a_failed_build_is_tried_once_per_machine_and_source_not_once_per_process(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    calls = []
+
+    def failing_load(**kwargs):
+        calls.append(kwargs["name"])
+        raise RuntimeError("broken.cpp:1:1: error: 'this' does not name a type")
+
+    monkeypatch.setattr(cpp, "load", failing_load)
+    for _ in range(3):  # three processes of one machine, as far as the build cache can tell
+        try:
+            kernel.build_extension(source, "broken_kernel")
+        except RuntimeError as exc:
+            last = str(exc)
+    assert len(calls) == 1  # built once; the other two read the failure
+    assert "error: 'this' does not name a type" in last and "not tried again: delete" in last
+    (marker,) = (tmp_path / "ext").glob("*.failed")
+    marker.unlink()  # deleting the record tries again
+    with pytest.raises(RuntimeError):
+        kernel.build_extension(source, "broken_kernel")
+    assert len(calls) == 2

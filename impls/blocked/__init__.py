@@ -126,16 +126,7 @@ class Blocked(Impl):
                         "block_size": case.block_size,
                         "query_block_rows": case.block_size if shown is table else shown.rows,
                         "group_size": group, **_computed(shown, table, case, pattern, q, n, group, mod is not None)}
-        if decode_missing is not None:
-            self._extras["fallback"] = {"path": self._extras["path"], "reason": f"the decode kernel: {decode_missing}"}
-        if kernel_missing is not None:
-            self._extras["kernel_unavailable"] = kernel_missing
-            self._extras["fallback"] = {"path": self._extras["path"], "reason": f"the CPU kernel: {kernel_missing}"}
-            if mod is not None:
-                from bench.errors import Unavailable
-
-                raise Unavailable(f"blocked applies score_mod {case.score_mod} in its CPU kernel only, which cannot "
-                                  f"run here: {kernel_missing}")
+        self._note_fallback(case, decode_missing, kernel_missing)
 
         def call():
             # (B, H, q_len, D) -> (B*Hkv, G, q_len, D): the G query heads of each KV head together, and
@@ -147,6 +138,19 @@ class Blocked(Impl):
             return blocked_attention(plan, grouped, keys, values, fused).reshape(q.shape)
 
         return call
+
+    def _note_fallback(self, case, decode_missing: str | None, kernel_missing: str | None) -> None:
+        """Say in the record which kernel wanted for this case could not run, and which path ran instead."""
+        if decode_missing is not None:
+            self._extras["fallback"] = {"path": self._extras["path"], "reason": f"the decode kernel: {decode_missing}"}
+        if kernel_missing is not None:
+            self._extras["kernel_unavailable"] = kernel_missing
+            self._extras["fallback"] = {"path": self._extras["path"], "reason": f"the CPU kernel: {kernel_missing}"}
+            if kernel_score_mod(case) is not None:
+                from bench.errors import Unavailable
+
+                raise Unavailable(f"blocked applies score_mod {case.score_mod} in its CPU kernel only, which cannot "
+                                  f"run here: {kernel_missing}")
 
     def _decode_extras(self, case, plan, pattern) -> dict[str, object]:
         listed = plan.listed_keys // max(1, plan.blocks.shape[0])
