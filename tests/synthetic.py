@@ -44,7 +44,8 @@ def record(case_id: str, impl: str, samples: list[float] | np.ndarray | None, *,
 
 def write_run(root: Path, *, commit: str, records: list[Record], started_at: str = "2026-01-01T00:00:00.000000Z",
               suite: str = "smoke", fingerprint: str = FINGERPRINT, source: str = "measured",
-              dirty: bool = False, cpu: str = "Test CPU", finished: bool = True) -> Path:
+              dirty: bool = False, cpu: str = "Test CPU", finished: bool = True,
+              command: list[str] | None = None) -> Path:
     stamp = started_at[:19].replace("-", "").replace(":", "")
     run_id = f"{stamp}-{commit[:7]}-{suite}"
     run_dir = Path(root) / run_id
@@ -54,7 +55,8 @@ def write_run(root: Path, *, commit: str, records: list[Record], started_at: str
            "versions": {"python": "3.11", "torch": "2.13.0", "cuda": None, "triton": "3.9"}, "backend": "cpu",
            "fingerprint": fingerprint}
     info = RunInfo(run_id=run_id, suite=SuiteInfo(name=suite, file=None, content={"name": suite}),
-                   started_at=started_at, finished_at=started_at if finished else None, env=env, source=source)
+                   started_at=started_at, finished_at=started_at if finished else None, env=env, source=source,
+                   command=command)
     write_json_atomic(run_dir / RUN_JSON, info.model_dump(mode="json"))
     with RecordWriter(run_dir / RECORDS) as writer:
         for r in records:

@@ -134,7 +134,8 @@ def test_ab_of_two_revisions_writes_both_runs_and_leaves_no_worktree(repo, tmp_p
             assert {"first call", "check", "warm-up", "timing", "waiting", "memory"} <= set(r["phases_s"])
             assert sum(r["phases_s"].values()) == pytest.approx(r["wall_s"], rel=1e-3, abs=1e-3)
     cmp = bench(repo, clean, "compare", str(runs[0]), str(runs[1]))
-    assert cmp.returncode == 0 and "bench ab" in cmp.stdout  # one run per side: advisory, pointing to bench ab
+    # the two runs of one bench ab: their time verdicts gate (no advisory note)
+    assert cmp.returncode == 0 and "2 pairs compared" in cmp.stdout and "advisory" not in cmp.stdout
     assert md.read_text().startswith("### bench ab `tiny`")
 
 

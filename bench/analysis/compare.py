@@ -1,20 +1,21 @@
 """`bench compare BASE NEW`: which (case, impl) pairs changed between two sets of runs, decided with statistics.
 
-Each side is one run or several runs of one commit (their records are pooled per (case, impl): CI measures base
-and head in interleaved rounds). For every pair present on both sides:
+Each side is one run or several runs of one commit (their records are pooled per (case, impl)). A side pools only
+runs made alike: the whole-suite runs of its commit when it has any; the side of a `bench ab` or a run filtered by
+`--impl` is never pooled with them, and every run set aside is named in a note. For every pair on both sides:
 
 - time: ratio of medians, bootstrap interval, Mann-Whitney p, Benjamini-Hochberg q and a verdict
-  (bench.analysis.stats) when both sides ran ok;
-- deterministic figures (status, FLOPs, density, correctness numbers, communication bytes, CUDA peak memory)
-  are compared exactly; every difference is listed.
+  (bench.analysis.stats);
+- deterministic figures (status, FLOPs, density, correctness numbers, communication bytes, CUDA peak memory) with a
+  tolerance where the figure is a float (FIGURE_TOLERANCE); every difference past it is listed.
 
-Regressions (exit 1): a pair that became failed or incorrect; more communication bytes; and a SLOWER verdict
-between comparable environments when a side pools several runs. With one run per side the time verdicts are
-advisory: drift between two whole runs on a shared machine is larger than the regressions to catch, so they are
-shown but cannot fail the comparison - `bench ab BASE NEW SUITE` (interleaved rounds, bench.analysis.ab) gives
-time verdicts to gate on. Different environment fingerprints give a loud warning and make time verdicts "not
-comparable": they are shown but cannot fail the comparison. Modelled records (`source: modelled`) are set
-aside and listed, never compared as measurements; a side with nothing but modelled records is refused.
+What exits 1 (a regression): a pair that became failed or incorrect; more communication bytes; the numerics
+verdict turning worse than the same-dtype reference; and a SLOWER time verdict only where the time can gate: both
+environments alike, and either each side pools at least two whole-suite runs, or the two sides are the two runs of
+one `bench ab`. Otherwise time verdicts are advisory (shown, never failing): drift between two whole runs on a
+shared machine is larger than the regressions to catch. A pair whose code path differs between the sides is a PATH
+change, never a regression or a gain. Modelled records are set aside. Bad input (nothing in common between the
+sides, an option that does not apply) is exit 2.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from bench.analysis import stats as cs
 from bench.errors import BadInput
-from bench.results.index import resolve, run_commit, run_fingerprint
+from bench.results.index import ORDINARY, describe_kind, resolve, run_commit, run_fingerprint, run_kind
 from bench.results.records import Record
 from bench.results.store import Run
 
@@ -46,6 +47,7 @@ class Side:
     runs: list[Run]
     records: dict[Key, list[Record]]  # measured records, one per run that has the pair
     modelled: list[Record]
+    set_aside: list[Run] = field(default_factory=list)  # runs of the commit not pooled (another kind of run)
 
     @property
     def fingerprints(self) -> list[str]:
@@ -55,14 +57,33 @@ class Side:
     def commits(self) -> list[str]:
         return list(dict.fromkeys(run_commit(r) or "unknown" for r in self.runs))
 
+    @property
+    def kind(self) -> str:
+        """`run` (whole-suite runs), `ab` (a side of a `bench ab`) or `filtered` (runs restricted by --impl)."""
+        return run_kind(self.runs[0])
+
     def summary(self) -> dict[str, Any]:
         return {"label": self.label, "runs": [r.info.run_id for r in self.runs], "commits": self.commits,
-                "suites": list(dict.fromkeys(r.info.suite.name for r in self.runs)),
+                "suites": list(dict.fromkeys(r.info.suite.name for r in self.runs)), "kind": self.kind,
+                "set_aside": [r.info.run_id for r in self.set_aside],
                 "fingerprint": self.fingerprints[0] if self.fingerprints else None,
                 "measured_pairs": len(self.records), "modelled_records": len(self.modelled)}
 
 
+def pooled_runs(runs: list[Run]) -> tuple[list[Run], list[Run]]:
+    """(pooled, set aside): a commit's whole-suite runs when it has any; else the runs of its latest command (one
+    `bench ab`, or one `--impl` filter), never samples of differently-made runs in one pool."""
+    ordinary = [r for r in runs if run_kind(r) == ORDINARY]
+    if ordinary or len(runs) <= 1:
+        chosen = ordinary or runs
+    else:
+        latest = runs[-1].info.command
+        chosen = [r for r in runs if r.info.command == latest]
+    return chosen, [r for r in runs if r not in chosen]
+
+
 def make_side(label: str, runs: list[Run], what: str) -> Side:
+    runs, set_aside = pooled_runs(runs)
     records: dict[Key, list[Record]] = {}
     modelled: list[Record] = []
     for run in runs:  # one record per pair and run (bench.results.store.first_per_pair)
@@ -74,12 +95,50 @@ def make_side(label: str, runs: list[Run], what: str) -> Side:
     if not records and modelled:
         raise BadInput(f"{what} {label!r} holds only modelled records (from `bench model`), not measurements; "
                        "compare compares measurements. Compare two measured runs instead")
+    if not records:
+        raise BadInput(f"{what} {label!r} holds no records ({', '.join(r.info.run_id for r in runs)}: nothing was "
+                       "measured, or the run was interrupted before its first pair); compare needs measured runs")
     fingerprints = {run_fingerprint(r) for r in runs}
     if len(fingerprints) > 1:
         raise BadInput(f"{what} {label!r}: its runs come from different environments (fingerprints "
                        f"{', '.join(sorted(fingerprints))}); pooled samples must come from one machine. "
                        "Pass a single run directory")
-    return Side(label, runs, records, modelled)
+    return Side(label, runs, records, modelled, set_aside)
+
+
+def one_ab(base: Side, new: Side) -> bool:
+    """Whether the two sides are the two runs of one `bench ab` (its interleaved rounds: time verdicts that gate)."""
+    return (base.kind == new.kind == "ab" and len(base.runs) == len(new.runs) == 1
+            and base.runs[0].info.command == new.runs[0].info.command
+            and _minutes_apart(base.runs[0], new.runs[0]) < 10)
+
+
+def _minutes_apart(a: Run, b: Run) -> float:
+    from datetime import datetime
+
+    try:
+        times = [datetime.fromisoformat(r.info.started_at.replace("Z", "+00:00")) for r in (a, b)]
+    except ValueError:
+        return math.inf
+    return abs((times[0] - times[1]).total_seconds()) / 60
+
+
+def time_gates(base: Side, new: Side) -> str | None:
+    """None when a SLOWER verdict may fail the comparison; else why it is advisory."""
+    if one_ab(base, new):
+        return None
+    if base.kind == new.kind == ORDINARY and len(base.runs) >= 2 and len(new.runs) >= 2:
+        return None
+    counts = f"BASE pools {_runs_of(base)}, NEW {_runs_of(new)}"
+    return (f"time verdicts are advisory ({counts}): a time verdict fails the comparison only where each side "
+            "pools at least two whole-suite runs, or the sides are the two runs of one `bench ab`. Drift between "
+            "whole runs on a shared machine is larger than the regressions to catch; for verdicts that gate, run "
+            "`bench ab BASE NEW SUITE.yaml`")
+
+
+def _runs_of(side: Side) -> str:
+    what = {"ab": "side of a `bench ab`", "filtered": "run filtered by --impl"}.get(side.kind, "whole-suite run")
+    return f"{len(side.runs)} {what}{'s' if len(side.runs) != 1 else ''}"
 
 
 @dataclass(frozen=True)
@@ -243,7 +302,7 @@ def figure_changes(base: list[Record], new: list[Record]) -> list[Change]:
         changes.append(Change("status", b_status, n_status, kind))
     b_fig, n_fig = figures(_representative(base)), figures(_representative(new))
     for name in [k for k in b_fig if k in n_fig]:  # figures measured on both sides only
-        if b_fig[name] == n_fig[name]:
+        if same_figure(name, b_fig[name], n_fig[name]):
             continue
         kind = "change"
         if _is_bytes(name) and isinstance(b_fig[name], int) and isinstance(n_fig[name], int):
@@ -254,6 +313,26 @@ def figure_changes(base: list[Record], new: list[Record]) -> list[Change]:
             kind = _ratio_change(float(b_fig[name]), float(n_fig[name]))
         changes.append(Change(name, b_fig[name], n_fig[name], kind))
     return changes
+
+
+# Relative tolerance of float figures. A measured error (rel_l2, max_abs, ratios to the reference) moves with the
+# order of a reduction between BLAS builds and CPUs: differences within a tenth are rounding, not a change. Counts,
+# bytes and statuses are compared exactly; FLOPs and densities are computed, so only float noise is forgiven.
+FIGURE_TOLERANCE = {"error.": 0.1}
+EXACT_FLOAT_TOLERANCE = 1e-9
+
+
+def same_figure(name: str, base: Any, new: Any) -> bool:
+    """Whether two values of a figure are the same within its tolerance (exact for everything but floats)."""
+    if base == new:
+        return True
+    if isinstance(base, bool) or isinstance(new, bool) or not isinstance(base, float | int) \
+            or not isinstance(new, float | int) or (isinstance(base, int) and isinstance(new, int)):
+        return False
+    rel = next((tol for prefix, tol in FIGURE_TOLERANCE.items() if name.startswith(prefix)), EXACT_FLOAT_TOLERANCE)
+    if name == "error.tolerance":  # a threshold, not a measurement
+        rel = EXACT_FLOAT_TOLERANCE
+    return math.isclose(float(base), float(new), rel_tol=rel, abs_tol=0.0)
 
 
 RATIO_WORSE = 1.25  # a ratio to the same-dtype reference growing by a quarter is a kernel rounding worse
@@ -323,18 +402,23 @@ def compare_sides(base: Side, new: Side, *, threshold_pct: float = DEFAULT_THRES
     if b_suites != n_suites:
         notes.append(f"suites differ (base {', '.join(sorted(b_suites))}, new {', '.join(sorted(n_suites))}): "
                      "only (case, impl) pairs present in both are compared")
-    advisory = len(base.runs) == 1 and len(new.runs) == 1
-    if not deterministic_only and advisory:
-        notes.append("one run per side: time verdicts are advisory and cannot fail this comparison (exit 1 only for "
-                     "status or deterministic changes). Their intervals hold the variation within each run, not "
-                     "the drift between runs, which on a shared machine is larger than the regressions to catch; "
-                     "for time verdicts to gate on, measure both commits interleaved with `bench ab BASE NEW "
-                     "SUITE.yaml`")
+    advisory_reason = time_gates(base, new)
+    advisory = advisory_reason is not None
+    if not deterministic_only and advisory_reason is not None:
+        notes.append(advisory_reason)
+    for side_name, side in (("BASE", base), ("NEW", new)):
+        if side.set_aside:
+            notes.append(f"{side_name} {side.label!r} pools {', '.join(describe_kind(r) for r in side.runs)}; set "
+                         f"aside, made differently: {', '.join(describe_kind(r) for r in side.set_aside)}")
     if base.modelled or new.modelled:
         notes.append(f"{len(base.modelled) + len(new.modelled)} modelled records (source: modelled) were set "
                      "aside: models are not measurements and are not compared")
 
     keys = list(dict.fromkeys([*new.records, *base.records]))
+    if not any(key in base.records for key in new.records):
+        raise BadInput(f"no (case, impl) pair is on both sides: BASE {base.label!r} holds {len(base.records)} pairs "
+                       f"of suite {', '.join(sorted(b_suites))}, NEW {new.label!r} {len(new.records)} pairs of suite "
+                       f"{', '.join(sorted(n_suites))}. Compare runs of the same suite (and implementations)")
     pairs: list[PairResult] = []
     for case_id, impl in keys:
         b, n = base.records.get((case_id, impl)), new.records.get((case_id, impl))
@@ -379,9 +463,17 @@ def _judge_times(pairs: list[PairResult], base: Side, new: Side, threshold: floa
             pair.notes.append(f"{roof}: no gain is claimed from it")
 
 
-def compare_specs(base_spec: str, new_spec: str, *, results: Path = Path("results"), suite: str | None = None,
+def compare_specs(base_spec: str, new_spec: str, *, results: Path | None = None, suite: str | None = None,
                   **options: Any) -> Comparison:
-    """`bench compare BASE NEW`: resolve both (run directory or commit prefix) and compare."""
+    """`bench compare BASE NEW`: resolve both (run directory or commit prefix) and compare. `results` and `suite`
+    pick among a commit's runs; given with two run directories they would be ignored, so they are refused."""
+    if Path(base_spec).is_dir() and Path(new_spec).is_dir():
+        for value, option in ((results, "--results"), (suite, "--suite")):
+            if value is not None:
+                raise BadInput(f"got {value!r} with two run directories; {option} picks among the runs of a commit "
+                               "prefix (BASE or NEW given as a commit id), and a run directory names its run already",
+                               field=option)
+    results = Path("results") if results is None else results
     base = make_side(base_spec, resolve(base_spec, results, suite=suite, what="BASE"), "BASE")
     new = make_side(new_spec, resolve(new_spec, results, suite=suite, what="NEW"), "NEW")
     return compare_sides(base, new, **options)

@@ -13,7 +13,10 @@ Data API (for the dashboard and other tools; plain frozen dataclasses, `dataclas
   between levels larger than their noise and than `threshold`: the step happened after `commit_before` and at
   or before `commit_after` (the git range `commit_before..commit_after`).
 
-Modelled records and runs are not measurements and never enter a series.
+Modelled records and runs are not measurements and never enter a series. Only whole-suite runs make points: the
+sides of a `bench ab` and runs filtered by `--impl` are set aside, and the command says how many. `bench history`
+reads the runs committed under the results directory unless `--uncommitted` adds the local ones; each step names
+the runs on both sides of it.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from bench.analysis.steps import Segment, fit_levels, significant_steps
 from bench.console.format import format_seconds
 from bench.errors import BadInput
 from bench.measure.timing import median_ci95
-from bench.results.index import load_index, run_commit, run_fingerprint
+from bench.results.index import ORDINARY, committed_run_dirs, load_index, run_commit, run_fingerprint, run_kind
 from bench.results.store import Run
 
 
@@ -55,6 +58,9 @@ class Point:
         return self.run_ids[0]
 
 
+MIN_RUNS_PER_LEVEL = 2
+
+
 @dataclass(frozen=True)
 class Step:
     """A change of level between points[index - 1] and points[index]. ratio > 1: slower."""
@@ -65,6 +71,16 @@ class Step:
     median_before: float  # fitted level before the step (weighted median of its segment)
     median_after: float
     ratio: float
+    runs_before: tuple[str, ...] = ()  # the runs of the point before the step
+    runs_after: tuple[str, ...] = ()  # the runs of the point after it
+    # runs measured between the previous step (or the first commit) and this one, and between this one and the next
+    level_runs: tuple[int, int] = (0, 0)
+
+    @property
+    def firm(self) -> bool:
+        """Both levels measured by at least two runs: as for `bench compare`, a step between two single runs is
+        as likely the drift between two runs as a change of the code, and is reported apart (advisory)."""
+        return min(self.level_runs) >= MIN_RUNS_PER_LEVEL
 
     @property
     def direction(self) -> str:
@@ -110,14 +126,22 @@ def series_from_points(suite: str, fingerprint: str, case_id: str, impl: str, po
                        threshold: float = 0.05) -> Series:
     """Fit levels to the points' medians and keep the steps larger than noise and `threshold` (a fraction)."""
     levels = fit_levels([p.median for p in points], [_point_weight(p) for p in points])
+    significant = significant_steps(levels, threshold)
+    bounds = [0, *(levels[i].start for i in significant), len(points)]  # between steps: one level, as far as told
     steps = []
-    for i in significant_steps(levels, threshold):
+    for n, i in enumerate(significant):
         before, after = levels[i - 1], levels[i]
         index = after.start
         steps.append(Step(index=index, commit_before=points[index - 1].commit, commit_after=points[index].commit,
                           median_before=before.value, median_after=after.value,
-                          ratio=after.value / before.value if before.value > 0 else math.inf))
+                          ratio=after.value / before.value if before.value > 0 else math.inf,
+                          runs_before=points[index - 1].run_ids, runs_after=points[index].run_ids,
+                          level_runs=(_runs_in(points[bounds[n]:index]), _runs_in(points[index:bounds[n + 2]]))))
     return Series(suite, fingerprint, case_id, impl, tuple(points), tuple(levels), tuple(steps))
+
+
+def _runs_in(points: list[Point]) -> int:
+    return sum(len(p.run_ids) for p in points)
 
 
 def build_history(runs: Iterable[Run], suite: str | None = None, threshold: float = 0.05) -> list[Series]:
@@ -149,38 +173,90 @@ def history_json(series: list[Series]) -> list[dict[str, Any]]:
 
 def history_table(series: list[Series], show_all: bool) -> Table:
     table = Table(title="history: time per call over commits (steps by weighted L1 fit)")
-    for name in ("suite", "case", "impl", "env", "commits", "latest", "steps (commit range: before -> after)"):
-        table.add_column(name, no_wrap=name != "steps (commit range: before -> after)")
+    for name in ("case", "impl", "commits", "latest", "steps: commit range, ratio, runs before -> after"):
+        table.add_column(name, overflow="fold", no_wrap=name in ("commits", "latest"))
     for s in series:
-        if not s.steps and not show_all:
+        shown = [st for st in s.steps if show_all or st.firm]
+        if not shown and not show_all:
             continue
         steps = "; ".join(
             f"[{'red' if st.direction == 'slower' else 'green'}]{st.commit_range} x{st.ratio:.2f} {st.direction}[/] "
-            f"({format_seconds(st.median_before)} -> {format_seconds(st.median_after)})" for st in s.steps) or "-"
-        table.add_row(escape(s.suite), escape(s.case_id), escape(s.impl), s.fingerprint[:8], str(len(s.points)),
+            f"({format_seconds(st.median_before)} -> {format_seconds(st.median_after)}; "
+            f"{', '.join(st.runs_before)} -> {', '.join(st.runs_after)})"
+            f"{'' if st.firm else ' [dim](advisory: a level of one run)[/]'}" for st in shown) or "-"
+        suite = f"{escape(s.suite)}: " if len({x.suite for x in series}) > 1 else ""
+        table.add_row(f"{suite}{escape(s.case_id)}", escape(s.impl), str(len(s.points)),
                       format_seconds(s.points[-1].median), steps)
     return table
 
 
+def step_ranges(steps: list[Step], show_all: bool = False) -> list[str]:
+    """One line per commit range with a firm step (with `show_all`, with any step): how many series stepped
+    there, which way, the median ratio."""
+    by_range: dict[str, list[Step]] = {}
+    for st in steps:
+        by_range.setdefault(st.commit_range, []).append(st)
+    lines = []
+    for commit_range, group in by_range.items():
+        ratios = sorted(st.ratio for st in group)
+        slower = sum(st.direction == "slower" for st in group)
+        firm = sum(st.firm for st in group)
+        if not firm and not show_all:
+            continue
+        lines.append(f"  {commit_range}: {len(group)} series stepped ({slower} slower, {len(group) - slower} faster; "
+                     f"median x{ratios[len(ratios) // 2]:.2f}), {firm} firm")
+    return lines
+
+
+def history_runs(results: Path, include_uncommitted: bool) -> tuple[list[Run], list[str]]:
+    """The runs a history is built from, and what was left out (one line per reason)."""
+    index = load_index(results)
+    runs, left_out = index.runs, []
+    committed = None if include_uncommitted else committed_run_dirs(results)
+    if committed is not None:
+        local = [r for r in runs if r.path.name not in committed]
+        runs = [r for r in runs if r.path.name in committed]
+        if local:
+            left_out.append(f"{len(local)} uncommitted runs in {results} (--uncommitted adds them)")
+    for kind, what in (("ab", "sides of a `bench ab`"), ("filtered", "runs filtered by --impl")):
+        made = [r for r in runs if run_kind(r) == kind]
+        if made:
+            left_out.append(f"{len(made)} {what} (measured apart from the whole-suite runs: not pooled)")
+    return [r for r in runs if run_kind(r) == ORDINARY], left_out
+
+
 def history_command(results: Path, suite: str | None, *, threshold_pct: float, as_json: bool, show_all: bool,
-                    console: Console) -> int:
+                    console: Console, include_uncommitted: bool = False) -> int:
     if not threshold_pct >= 0:
         raise BadInput(f"got {threshold_pct}; a percentage >= 0", field="--threshold")
     index = load_index(results)
     if suite is not None and suite not in index.suites():
         raise BadInput(f"got {suite!r}; suites in {results}: {', '.join(index.suites()) or 'none'}", field="SUITE")
-    series = build_history(index.runs, suite, threshold=threshold_pct / 100)
+    runs, left_out = history_runs(results, include_uncommitted)
+    series = build_history(runs, suite, threshold=threshold_pct / 100)
     if as_json:
         print(json.dumps(history_json(series), indent=2))
         return 0
+    steps = [st for s in series for st in s.steps]
+    firm = [st for st in steps if st.firm]
+    fingerprints = {s.fingerprint for s in series}
+    commits = {p.commit for s in series for p in s.points}
+    console.print(f"{len(firm)} steps ({sum(st.direction == 'slower' for st in firm)} slower) where each level holds "
+                  f"at least {MIN_RUNS_PER_LEVEL} runs; {len(steps) - len(firm)} advisory steps between levels of one "
+                  f"run; {len(series)} series over {len(commits)} commits of {results}"
+                  f"{f' ({len(fingerprints)} environments, kept apart)' if len(fingerprints) > 1 else ''}")
+    ranges = step_ranges(steps, show_all)
+    for line in ranges:
+        console.print(line, highlight=False)
+    advisory_ranges = len({st.commit_range for st in steps}) - len(ranges)
+    if advisory_ranges:
+        console.print(f"  {advisory_ranges} commit ranges with advisory steps only (--all lists them)")
+    for line in left_out:
+        console.print(f"left out: {escape(line)}", highlight=False)
     for warning in index.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
-    console.print(history_table(series, show_all))
-    n_steps = sum(len(s.steps) for s in series)
-    slower = sum(st.direction == "slower" for s in series for st in s.steps)
-    fingerprints = {s.fingerprint for s in series}
-    console.print(f"{len(series)} series over {len(index.commits())} commits in {results}"
-                  f"{f' ({len(fingerprints)} environments, kept apart)' if len(fingerprints) > 1 else ''}; "
-                  f"{n_steps} steps ({slower} slower, {n_steps - slower} faster)"
-                  f"{'' if show_all or not series else '; --all lists series without steps'}")
+    if firm or show_all:
+        console.print(history_table(series, show_all))
+    if not show_all and series:
+        console.print("[dim]--all lists every series and the advisory steps[/]")
     return 0

@@ -1,4 +1,6 @@
-"""Terminal rendering of a `bench compare` result: warnings, the time table, figure changes, missing pairs."""
+"""Terminal rendering of a `bench compare` result, the answer first: the verdict, the regressions, the pairs whose
+time changed and the path changes; every pair and every figure change only with `--all`. Warnings are one line
+each; a note repeated over pairs is printed once with its count."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from typing import Literal
 
 from rich.console import Console, Group, RenderableType
 from rich.markup import escape
-from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
@@ -16,7 +17,7 @@ from bench.analysis.compare import Comparison, PairResult, iter_changes
 from bench.console.format import format_p, format_seconds
 
 VERDICT_STYLE = {cs.SLOWER: "bold red", cs.FASTER: "bold green", cs.SAME: "dim", cs.AMBIGUOUS: "yellow",
-                 cs.NOISY: "yellow"}
+                 cs.NOISY: "yellow", cs.PATH: "magenta"}
 KIND_STYLE = {"regression": "bold red", "improvement": "green", "change": "yellow", "worse": "red", "better": "green"}
 
 
@@ -33,18 +34,20 @@ def _verdict_cell(pair: PairResult) -> str:
     return f"{text} [dim](advisory)[/]" if pair.time_advisory and pair.verdict in (cs.SLOWER, cs.FASTER) else text
 
 
-def time_table(comparison: Comparison, width: int | None = None) -> Table | Group:
-    """The time verdicts. Where the columns do not fit `width`, case and implementation share one folded first
-    column (the case above, the implementation below) so that no figure column is cut or dropped."""
+def time_table(comparison: Comparison, width: int | None = None, pairs: list[PairResult] | None = None,
+               title: str = "time per call, NEW vs BASE") -> Table | Group:
+    """The time verdicts of `pairs` (default: every pair). Where the columns do not fit `width`, case and
+    implementation share one folded first column (the case above, the implementation below) so that no figure
+    column is cut or dropped."""
     c = comparison
-    table = Table(title=f"time per call, NEW vs BASE (threshold {c.threshold_pct:g}%, "
+    table = Table(title=f"{title} (threshold {c.threshold_pct:g}%, "
                         f"{cs.CONFIDENCE:.0%} bootstrap interval, Mann-Whitney U, BH-corrected at {c.alpha:g})")
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
         ("case", "left"), ("impl", "left"), ("base", "right"), ("new", "right"),
                           ("ratio", "right"), ("interval", "right"), ("p", "right"), ("q", "right"),
                           ("verdict", "left"))
     rows: list[list[str]] = []
-    for pair in c.pairs:
+    for pair in c.pairs if pairs is None else pairs:
         if pair.time is None:
             status = pair.new_status if pair.base_status == pair.new_status else \
                 f"{pair.base_status} -> {pair.new_status}"
@@ -82,45 +85,84 @@ def time_table(comparison: Comparison, width: int | None = None) -> Table | Grou
     return table
 
 
-def changes_table(comparison: Comparison) -> Table | None:
-    rows = list(iter_changes(comparison))
+def _value(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def changes_table(comparison: Comparison, kinds: tuple[str, ...] | None = None) -> Table | None:
+    """The deterministic figures that changed past their tolerance (only those of `kinds` when given)."""
+    rows = [(p, ch) for p, ch in iter_changes(comparison) if kinds is None or ch.kind in kinds]
     if not rows:
         return None
-    table = Table(title="deterministic figures that changed (compared exactly)")
+    table = Table(title="deterministic figures that changed (floats past their tolerance, the rest exactly)")
     for name in ("case", "impl", "figure", "base", "new", "kind"):  # a long figure name folds, never cut
         table.add_column(name, no_wrap=name == "case", overflow="fold")
     for pair, change in rows:
-        table.add_row(escape(pair.case_id), escape(pair.impl), change.figure, escape(str(change.base)),
-                      escape(str(change.new)), f"[{KIND_STYLE[change.kind]}]{change.kind}[/]")
+        table.add_row(escape(pair.case_id), escape(pair.impl), change.figure, escape(_value(change.base)),
+                      escape(_value(change.new)), f"[{KIND_STYLE[change.kind]}]{change.kind}[/]")
     return table
 
 
-def print_comparison(comparison: Comparison, console: Console, err_console: Console) -> None:
-    c = comparison
-    for warning in c.warnings:
-        err_console.print(Panel(escape(warning), title="WARNING", border_style="bold red"))
-    console.print(f"base: {escape(c.base.label)} ({', '.join(r.info.run_id for r in c.base.runs)})")
-    console.print(f"new:  {escape(c.new.label)} ({', '.join(r.info.run_id for r in c.new.runs)})")
-    if not c.deterministic_only:
-        console.print(time_table(c, console.width))
-    table = changes_table(c)
-    if table is not None:
-        console.print(table)
-    for label, missing in (("only in BASE", c.only_base), ("only in NEW", c.only_new)):
-        if missing:
-            console.print(f"[yellow]{label}[/] ({len(missing)} pairs, not compared):")
-            for case_id, impl, status in missing:
-                console.print(f"  {escape(case_id)} | {escape(impl)} ({status})", highlight=False)
-    if c.base.modelled or c.new.modelled:
-        console.print("[magenta]modelled records set aside[/] (models, not measurements; not compared):")
-        for side, records in (("base", c.base.modelled), ("new", c.new.modelled)):
-            for r in records:
-                console.print(f"  {side}: {escape(r.case_id)} | {escape(r.impl)}", highlight=False)
-    for note in c.notes:
-        console.print(f"[cyan]note:[/] {escape(note)}")
+def aggregated(lines: list[str]) -> list[str]:
+    """Each distinct line once, with `(xN)` where it was repeated; first-seen order."""
+    counts: dict[str, int] = {}
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else f"{line} (x{n})" for line, n in counts.items()]
+
+
+def pair_notes(c: Comparison) -> list[str]:
+    """Per-pair notes, one line per distinct note: the pair named where one pair has it, the count otherwise."""
+    by_note: dict[str, list[PairResult]] = {}
     for pair in c.pairs:
         for note in pair.notes:
-            console.print(f"[cyan]note:[/] {escape(pair.case_id)} | {escape(pair.impl)}: {escape(note)}")
+            by_note.setdefault(note, []).append(pair)
+    return [f"{pairs[0].case_id} | {pairs[0].impl}: {note}" if len(pairs) == 1 else f"{len(pairs)} pairs: {note}"
+            for note, pairs in by_note.items()]
+
+
+MISSING_SHOWN = 5  # pairs on one side only listed without --all
+CHANGES_SHOWN = 20  # past this many figure changes, only regressions are listed without --all; the rest counted
+
+
+def print_comparison(comparison: Comparison, console: Console, err_console: Console, show_all: bool = False) -> None:
+    c = comparison
+    for warning in aggregated(c.warnings):
+        err_console.print(f"[bold red]WARNING:[/] {escape(warning)}")
+    console.print(summary_line(c))
+    console.print(f"base: {escape(c.base.label)} ({', '.join(r.info.run_id for r in c.base.runs)})")
+    console.print(f"new:  {escape(c.new.label)} ({', '.join(r.info.run_id for r in c.new.runs)})")
+    regressions = c.regressions()
+    if regressions:
+        console.print(time_table(c, console.width, regressions, "REGRESSIONS"))
+    if not c.deterministic_only:
+        if show_all:
+            console.print(time_table(c, console.width))
+        else:
+            moved = [p for p in c.pairs if p.verdict in (cs.SLOWER, cs.FASTER, cs.PATH) and p not in regressions]
+            if moved:
+                console.print(time_table(c, console.width, moved, "time changes (advisory or path changes)"))
+    n_changes = sum(len(p.changes) for p in c.pairs)
+    table = changes_table(c, None if show_all or n_changes <= CHANGES_SHOWN else ("regression", "worse"))
+    if table is not None:
+        console.print(table)
+    if not show_all and n_changes > CHANGES_SHOWN:
+        console.print(f"{n_changes} deterministic changes past their tolerance, by figure: "
+                      f"{', '.join(aggregated([ch.figure for _, ch in iter_changes(c)]))} (--all lists them)",
+                      highlight=False)
+    for label, missing in (("only in BASE", c.only_base), ("only in NEW", c.only_new)):
+        if missing:
+            console.print(f"[yellow]{label}[/] ({len(missing)} pairs, not compared)"
+                          f"{':' if show_all or len(missing) <= MISSING_SHOWN else f'; the first {MISSING_SHOWN}:'}")
+            for case_id, impl, status in missing if show_all else missing[:MISSING_SHOWN]:
+                console.print(f"  {escape(case_id)} | {escape(impl)} ({status})", highlight=False)
+    modelled = len(c.base.modelled) + len(c.new.modelled)
+    if modelled:
+        console.print(f"[magenta]{modelled} modelled records set aside[/] (models, not measurements; not compared)")
+    for note in [*c.notes, *pair_notes(c)]:
+        console.print(f"[cyan]note:[/] {escape(note)}", highlight=False)
+    if not show_all:
+        console.print(f"[dim]{len(c.pairs)} pairs compared; --all lists every pair and every figure change[/]")
     console.print(summary_line(c))
 
 
@@ -128,13 +170,13 @@ def summary_line(c: Comparison) -> str:
     counts = c.verdict_counts()
     n_changes = sum(len(p.changes) for p in c.pairs)
     time_part = "time not compared (--deterministic-only)" if c.deterministic_only else \
-        ", ".join(f"{n} {v}" for v, n in counts.items())
+        ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     if not c.time_comparable and not c.deterministic_only:
         time_part += " (time verdicts not comparable: environments differ)"
     elif c.time_advisory:
-        time_part += " (advisory: one run per side; use `bench ab` for time verdicts that gate)"
+        time_part += " (advisory: see the note; `bench ab` gives time verdicts that gate)"
     regressions = c.regressions()
-    outcome = (f"[bold red]REGRESSION[/] in {len(regressions)} pairs" if regressions
-               else "[green]no regression[/]")
-    return (f"{len(c.pairs)} pairs compared: {time_part}; {n_changes} deterministic changes; "
-            f"{len(c.only_base)} only in BASE, {len(c.only_new)} only in NEW. {outcome}")
+    outcome = (f"[bold red]REGRESSION[/] in {len(regressions)} pairs (exit 1)" if regressions
+               else "[green]no regression[/] (exit 0)")
+    return (f"{outcome}: {len(c.pairs)} pairs compared: {time_part}; {n_changes} deterministic changes; "
+            f"{len(c.only_base)} only in BASE, {len(c.only_new)} only in NEW")

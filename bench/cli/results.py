@@ -16,14 +16,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from bench.analysis.compare import compare_specs
     from bench.analysis.report import print_comparison
 
-    result = compare_specs(args.base, args.new, results=Path(args.results), suite=args.suite,
+    result = compare_specs(args.base, args.new, results=Path(args.results) if args.results else None, suite=args.suite,
                            threshold_pct=args.threshold, alpha=args.alpha, deterministic_only=args.deterministic_only)
     if args.json:
         for warning in result.warnings:
             print(f"bench compare: WARNING: {warning}", file=sys.stderr)
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print_comparison(result, make_console(), make_console(stderr=True))
+        print_comparison(result, make_console(), make_console(stderr=True), show_all=args.all)
     return result.exit_code
 
 
@@ -32,11 +32,16 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("base", metavar="BASE", help="run directory, or a commit id prefix found in the results store")
     p.add_argument("new", metavar="NEW", help="run directory, or a commit id prefix found in the results store")
     p.add_argument("--threshold", type=float, default=10.0, metavar="PCT",
-                   help="smallest slowdown that counts, in percent (default 10)")
+                   help="smallest slowdown that counts, in percent (default 10: runs measured apart drift more than "
+                        "bench ab's interleaved rounds, whose default is 5)")
     p.add_argument("--alpha", type=float, default=0.05, help="false discovery rate across cases (default 0.05)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--results", default="results", metavar="DIR", help="results store for commit prefixes")
-    p.add_argument("--suite", metavar="NAME", help="with a commit prefix: only runs of this suite")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON (every pair and figure)")
+    p.add_argument("--all", action="store_true", help="list every pair and every figure change, not only the "
+                   "regressions, the time changes and the path changes")
+    p.add_argument("--results", metavar="DIR", help="results store for commit prefixes (default: results; refused "
+                   "with two run directories)")
+    p.add_argument("--suite", metavar="NAME", help="with a commit prefix: only runs of this suite (refused with two "
+                   "run directories)")
     p.add_argument("--deterministic-only", action="store_true",
                    help="compare only exact figures (status, FLOPs, correctness, bytes), not times")
     p.set_defaults(func=_cmd_compare)
@@ -114,7 +119,7 @@ def _cmd_history(args: argparse.Namespace) -> int:
     from bench.analysis.history import history_command
 
     return history_command(Path(args.results), args.suite, threshold_pct=args.threshold, as_json=args.json,
-                           show_all=args.all, console=make_console())
+                           show_all=args.all, console=make_console(), include_uncommitted=args.uncommitted)
 
 
 def add_history(sub: argparse._SubParsersAction) -> None:
@@ -122,8 +127,12 @@ def add_history(sub: argparse._SubParsersAction) -> None:
     p.add_argument("suite", nargs="?", metavar="SUITE", help="suite name (default: every suite)")
     p.add_argument("--results", default="results", metavar="DIR", help="results store (default: results)")
     p.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
-                   help="smallest step reported, in percent (default 5)")
+                   help="smallest step reported, in percent (default 5: a step is fitted over many commits' runs, so "
+                        "it resolves less than compare's 10 between two sets of runs; bench ab's 5 comes from its "
+                        "interleaved rounds)")
     p.add_argument("--all", action="store_true", help="list every series, not only those with steps")
+    p.add_argument("--uncommitted", action="store_true", help="add the runs under DIR that git does not track "
+                   "(default: only committed runs, the project's references)")
     p.add_argument("--json", action="store_true", help="print the series and steps as JSON")
     p.set_defaults(func=_cmd_history)
 

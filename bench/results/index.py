@@ -67,6 +67,42 @@ def run_fingerprint(run: Run) -> str:
     return run.info.env.fingerprint_or_unknown
 
 
+ORDINARY = "run"  # a plain `bench run` (or `bench submit`) of the whole suite
+
+
+def run_kind(run: Run) -> str:
+    """How a run was made, from its command: `run` for a whole suite, `ab` for one side of a `bench ab` (its own
+    interleaved rounds, often one implementation), `filtered` for a run restricted by `--impl`. Pooling runs of
+    different kinds mixes samples measured under different conditions, so a comparison says which it pools."""
+    command = run.info.command or []
+    if command[:1] == ["ab"]:
+        return "ab"
+    if any(arg == "--impl" or arg.startswith("--impl=") for arg in command):
+        return "filtered"
+    return ORDINARY
+
+
+def describe_kind(run: Run) -> str:
+    """The run's id and, unless ordinary, how it was made (`bench ab ...`, `--impl ...`)."""
+    kind = run_kind(run)
+    if kind == ORDINARY:
+        return run.info.run_id
+    return f"{run.info.run_id} (`bench {' '.join(run.info.command or [])}`)"
+
+
+def committed_run_dirs(root: Path) -> set[str] | None:
+    """Names of the run directories under `root` that git tracks (their run.json is committed); None when `root`
+    is not inside a git work tree, where every run counts."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "--", "."], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {Path(line).parts[0] for line in out.splitlines() if line.endswith("/" + RUN_JSON)}
+
+
 def record_device(record: Record, run: Run) -> str:
     """The record's device string; for one that failed before naming it, the run's device of its kind, so
     that it sits in its measured neighbours' section (cuda:0 NVIDIA H200, not cuda)."""
