@@ -10,16 +10,27 @@ from bench import registry
 from bench.patterns import PATTERNS, SCORE_MODS
 from bench.selection import get_selector, selector_names
 
+NARROW = 120  # columns below which `bench list` folds each implementation's facts into one cell
 
-def impls_table() -> Table:
+
+def impls_table(width: int | None = None) -> Table:
+    """Every implementation with its availability; below NARROW columns, one row per implementation whose second
+    cell holds the facts and, below them, the description (a table of seven columns folds into one word a line)."""
     table = Table(title="implementations")
-    for column in ("name", "available", "devices", "fwd_bwd", "distributed", "source", "description"):
-        table.add_column(column)
+    narrow = width is not None and width < NARROW
+    columns = ("name", "available, devices, backward, distributed, source / description") if narrow else \
+        ("name", "available", "devices", "fwd_bwd", "distributed", "source", "description")
+    for column in columns:
+        table.add_column(column, no_wrap=column == "name")
     for impl in registry.all_impls():
         why = impl.unavailable()
-        table.add_row(impl.name, "yes" if why is None else f"no: {escape(why)}", ",".join(sorted(impl.devices)),
-                      "yes" if impl.fwd_bwd else "no", "yes" if impl.distributed else "no", escape(impl.source),
-                      escape(impl.description))
+        cells = ["yes" if why is None else f"no: {escape(why)}", ",".join(sorted(impl.devices)),
+                 "yes" if impl.fwd_bwd else "no", "yes" if impl.distributed else "no", escape(impl.source)]
+        if narrow:
+            facts = f"{cells[0]}; {cells[1]}; backward {cells[2]}; distributed {cells[3]}; {cells[4]}"
+            table.add_row(impl.name, f"{facts}\n[dim]{escape(impl.description)}[/]")
+        else:
+            table.add_row(impl.name, *cells, escape(impl.description))
     return table
 
 
@@ -109,7 +120,7 @@ def tasks_table() -> Table:
 
 def list_command(what: str, console: Console) -> int:
     if what == "impls":
-        console.print(impls_table())
+        console.print(impls_table(console.width))
     elif what == "patterns":
         console.print(patterns_table())
         console.print(score_mods_table())

@@ -25,7 +25,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def add_list(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="implementations, patterns, selectors or hardware, with availability")
     p.add_argument("what", nargs="?", choices=["impls", "patterns", "selectors", "models", "tasks", "hardware"],
-                   default="impls")
+                   default="impls", help="what to list (default: impls)")
     p.add_argument("--plugin", action="append", metavar="MODULE|FILE.py",
                    help="import this plugin first, to list what it registers (repeatable)")
     p.add_argument("--suite", metavar="SUITE.yaml", help="import the plugins this suite names first")
@@ -58,7 +58,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure this machine's matmul rate per dtype and copy bandwidth")
-    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--device", choices=DEVICES, default="auto", help="the device to calibrate (default auto: the "
+                   "GPU when one is visible, else the CPU)")
     p.add_argument("--out", default="results", metavar="DIR",
                    help="results root; stored in DIR/calibration/<fingerprint>.json (default: results)")
     p.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"],
@@ -77,7 +78,7 @@ def add_model(sub: argparse._SubParsersAction) -> None:
     from bench.measure.hardware import GPU_CHOICES
 
     p = sub.add_parser("model", help="lower-bound times of a suite's cases on a GPU that is not here (a model)")
-    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("suite", metavar="SUITE.yaml", help="the suite whose cases to model")
     p.add_argument("--gpu", required=True, choices=GPU_CHOICES, help="the card to model")
     p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
     p.set_defaults(func=_cmd_model)
@@ -91,7 +92,7 @@ def _cmd_inputs(args: argparse.Namespace) -> int:
 
 def add_inputs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inputs", help="the attention statistics of a suite's inputs (how concentrated each row is)")
-    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("suite", metavar="SUITE.yaml", help="the suite whose inputs to describe")
     p.add_argument("--case", type=int, metavar="N", help="only this case (index, see run --dry-run)")
     p.add_argument("--device", choices=DEVICES, help="override the cases' device")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -111,7 +112,7 @@ def add_capture(sub: argparse._SubParsersAction) -> None:
                                    "downloaded) once on TEXT and saves the chosen layers' post-RoPE q, k, v to a "
                                    "safetensors file that a suite reads with inputs: {file: FILE, layer: L}. Needs "
                                    "the optional extra `capture` (transformers).")
-    p.add_argument("model", metavar="MODEL")
+    p.add_argument("model", metavar="MODEL", help="a local Hugging Face model directory, or a name in your cache")
     p.add_argument("text", metavar="TEXT", help="the text, or the path of a text file")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="the safetensors file to write")
     p.add_argument("--layers", metavar="L,L,...", help="layers to save, negative from the end (default: all)")

@@ -150,7 +150,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="a run as pytest-benchmark JSON, CSV, github-action-benchmark or Bencher JSON, "
                                       "or a FlashInfer Trace dataset")
-    p.add_argument("run", metavar="RUN_DIR")
+    p.add_argument("run", metavar="RUN_DIR", help="the run directory to export (results/<run id>)")
     p.add_argument("--format", required=True,
                    choices=["pytest-benchmark", "csv", "github-action-benchmark", "bencher", "flashinfer-trace"],
                    help="github-action-benchmark: its customSmallerIsBetter JSON; bencher: Bencher Metric Format; "

@@ -46,19 +46,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run_options(args: argparse.Namespace, suite: Path | Suite, shard: ShardSpec | None) -> RunOptions:
     from bench.run.runner import RunOptions
 
-    return RunOptions(suite=suite, impls=args.impl or [], device=args.device, out=Path(args.out),
+    return RunOptions(suite=suite, impls=args.impl or [], add_impls=args.add_impl or [], device=args.device,
+                      out=Path(args.out),
                       resume=Path(args.resume) if args.resume else None, dry_run=args.dry_run, shard=shard,
                       run_id=args.run_id, rank_group_shards=args.rank_group_shards)
 
 
 def add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a suite and store every measurement")
-    p.add_argument("suite", metavar="SUITE.yaml")
-    p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation (repeatable)")
+    p.add_argument("suite", metavar="SUITE.yaml", help="the suite file (suites/*.yaml; its schema: docs/DESIGN.md)")
+    p.add_argument("--impl", action="append", metavar="NAME", help="only this one of the suite's implementations "
+                   "(repeatable; a name outside the suite is refused: see --add-impl)")
+    p.add_argument("--add-impl", action="append", metavar="NAME", help="also measure this implementation, which the "
+                   "suite does not list (repeatable)")
     p.add_argument("--device", choices=DEVICES, help="override every case's device")
-    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results)")
+    p.add_argument("--out", default="results", metavar="DIR", help="results root (default: results; made if "
+                   "missing, in an existing directory)")
     p.add_argument("--resume", metavar="RUN_DIR", help="measure only the pairs missing from this run")
-    p.add_argument("--dry-run", action="store_true", help="print the cases and implementations, run nothing")
+    p.add_argument("--dry-run", action="store_true", help="check every option as a real run would, then list the "
+                   "pairs it would measure (with --resume, the missing ones) and the skips it can predict; run "
+                   "nothing")
     p.add_argument("--shard", metavar="I/N", help="measure only part I of N of the pairs (0 <= I < N), into "
                    "records.<I>of<N>.jsonl of the run the shards share (docs/cluster.md)")
     p.add_argument("--run-id", metavar="ID", help="the run's name: 1-100 letters, digits, '.', '_', '-' (default: "
@@ -88,7 +95,7 @@ def add_submit(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="run a suite as N shards on Slurm or as local processes, and watch them",
                        description="Every shard is `bench run SUITE --shard I/N` writing its part of one run; a "
                                    "shard that dies is submitted again for its missing pairs (docs/cluster.md).")
-    p.add_argument("suite", nargs="?", metavar="SUITE.yaml")
+    p.add_argument("suite", nargs="?", metavar="SUITE.yaml", help="the suite to run in shards (or --attach RUN_DIR)")
     p.add_argument("--executor", default="local", help="slurm (a job array via sbatch) or local (processes "
                    "here; default)")
     p.add_argument("--shards", type=int, default=2, metavar="N", help="number of shards (default 2)")
@@ -113,8 +120,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="a torch.profiler trace (Chrome JSON) of one (case, impl) and its top ops")
-    p.add_argument("suite", metavar="SUITE.yaml")
-    p.add_argument("--impl", required=True, metavar="NAME")
+    p.add_argument("suite", metavar="SUITE.yaml", help="the suite holding the case")
+    p.add_argument("--impl", required=True, metavar="NAME", help="the implementation to profile")
     p.add_argument("--case", type=int, default=0, metavar="N", help="index of the case (see run --dry-run)")
     p.add_argument("-o", "--output", metavar="FILE", help="trace file (default: profiles/<suite>-<case>-<impl>.json)")
     p.add_argument("--device", choices=DEVICES, help="override the case's device")

@@ -144,8 +144,13 @@ def to_csv(run: Run) -> str:
 
 def export_command(run_dir: Path, fmt: str, output: Path | None) -> int:
     run = load_run(run_dir)
+    if output is not None and output.is_dir():
+        raise BadInput(f"is a directory; -o names the file to write (e.g. {output / ('run.' + fmt.split('-')[0])})",
+                       file=str(output), field="-o")
     if output is not None and not output.parent.is_dir():
         raise BadInput("the output file's directory does not exist", file=str(output), field="-o")
+    for warning in run.warnings:  # a torn last line: its record is not exported, and the user is told
+        print(f"bench export: warning: {warning}", file=sys.stderr)
     if fmt in FORMATS:  # github-action-benchmark, bencher
         doc, left_out = to_github_action_benchmark(run) if fmt == FORMATS[0] else to_bencher(run)
         if left_out:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput
@@ -43,6 +42,7 @@ from bench.run.cluster import shards
 from bench.run.cluster.shards import PartLock, ShardSpec
 from bench.run.console import Reporter, print_summary
 from bench.run.identity import check_run_id, check_same_run, record_git
+from bench.run.preflight import check_new_run_id, check_out, plan_pairs, print_preflight
 from bench.run.ranks import run_pair, simulated_ranks_per_node
 from bench.run.tasks import Pair, backend_of, failed_record, plugin_specs, select_impls, task_for
 from bench.run.worker import WorkerProcess, WorkerStartError
@@ -53,7 +53,8 @@ from bench.spec.suite import Suite, load_suite
 @dataclass
 class RunOptions:
     suite: Path | Suite  # a suite file, or one parsed already (bench.api.run)
-    impls: list[str] = field(default_factory=list)  # --impl: restrict to these
+    impls: list[str] = field(default_factory=list)  # --impl: only these of the suite's implementations
+    add_impls: list[str] = field(default_factory=list)  # --add-impl: implementations outside the suite, added
     device: str | None = None  # --device: overrides every case's device
     out: Path = Path("results")
     resume: Path | None = None
@@ -108,17 +109,24 @@ class PairMeasurer:
 def run(options: RunOptions, console: Console, on_record: Callable[[Record], None] | None = None) -> int:
     """Run a suite; returns the exit code (0 all ok or skipped, 1 any failed or incorrect)."""
     suite = load_suite(options.suite) if isinstance(options.suite, Path) else options.suite
-    impls = select_impls(suite, options.impls)
+    impls = select_impls(suite, options.impls, options.add_impls)
     pairs = [Pair(case, impl) for case in suite.cases for impl in impls]
     every_pair = {p.key for p in pairs}
     if options.shard is not None:
         splitter = shards.split_rank_groups if options.rank_group_shards else shards.split
         chosen = splitter([p.case.world_size for p in pairs], options.shard.count)[options.shard.index]
         pairs = [pairs[i] for i in chosen]
-    simulated_ranks_per_node()  # a bad BENCH_RANKS_PER_NODE stops the run before anything is written
+    # Everything a run may refuse, refused before anything is written, and the same under --dry-run
+    simulated_ranks_per_node()  # a bad BENCH_RANKS_PER_NODE
+    check_out(options.out)
+    if options.run_id is not None:
+        check_run_id(options.run_id)
+        if options.shard is None:  # shards join the run of their id; a plain run makes a new one
+            check_new_run_id(options.out, options.run_id)
+    if options.resume is not None:
+        _check_resume_target(options, suite)
     if options.dry_run:
-        _print_plan(console, suite, impls, options.device, len(pairs) if options.shard else None)
-        return 0
+        return _dry_run(options, suite, impls, pairs, console)
 
     session = torchrun.Session(suite.measure.timeout_s, backend_of(suite, options.device) == "cuda") \
         if torchrun.launched() else None
@@ -258,10 +266,7 @@ def _join_shard_run(options: RunOptions, suite: Suite, console: Console) -> Path
 
 def _create_run(options: RunOptions, suite: Suite, console: Console) -> Path:
     if options.run_id is not None:  # a name given by hand: a new run, never a join (that is --resume)
-        run_id, run_dir = check_run_id(options.run_id), options.out / options.run_id
-        if (run_dir / RUN_JSON).exists():
-            raise BadInput(f"run {run_id!r} exists already in {options.out}; add to it with --resume {run_dir}, or "
-                           "give another --run-id", field="--run-id")
+        run_id, run_dir = options.run_id, check_new_run_id(options.out, options.run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_id, run_dir = create_run_dir(options.out, suite.name, git_info().commit or "nogit")
@@ -310,30 +315,30 @@ def _read_existing(run_dir: Path, own: str, console: Console) -> list[Record]:
     return read_run_records(run_dir).records
 
 
-def _open_for_resume(options: RunOptions, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
+def _check_resume_target(options: RunOptions, suite: Suite) -> None:
+    """A run directory of this suite, made by this code on this machine (bench.run.identity)."""
     run_dir = options.resume
     assert run_dir is not None
     if not (run_dir / RUN_JSON).is_file():
-        raise BadInput("not a run directory (no run.json)", file=str(run_dir), field="--resume")
+        raise BadInput("not a run directory (no run.json); --resume takes a run directory to add the missing pairs "
+                       "to", file=str(run_dir), field="--resume")
     _check_same_run(run_dir, suite, options.device, "--resume")
+
+
+def _open_for_resume(options: RunOptions, suite: Suite, console: Console) -> tuple[Path, list[Record]]:
+    assert options.resume is not None  # checked by _check_resume_target
     # One record per pair over every part; if an earlier resume raced, the first written wins.
-    return run_dir, _read_existing(run_dir, RECORDS, console)
+    return options.resume, _read_existing(options.resume, RECORDS, console)
 
 
-def _print_plan(console: Console, suite: Suite, impls: list[str], device: str | None,
-                shard_pairs: int | None = None) -> None:
-    table = Table(title=f"suite {suite.name}: {len(suite.cases)} cases x {len(impls)} implementations")
-    table.add_column("#", justify="right")
-    table.add_column("case_id", no_wrap=True)
-    table.add_column("device")
-    for index, case in enumerate(suite.cases):
-        table.add_row(str(index), case.case_id, resolve_device(device or case.device))
-    console.print(table)
-    avail = []
-    for name in impls:
-        impl = registry.get(name)
-        why = impl.unavailable()
-        avail.append(f"{name} ({'available' if why is None else 'unavailable: ' + why})")
-    console.print("implementations: " + "; ".join(avail))
-    mine = f" ({shard_pairs} in this shard)" if shard_pairs is not None else ""
-    console.print(f"{len(suite.cases) * len(impls)} (case, impl) pairs{mine}; nothing was run (--dry-run)")
+def _dry_run(options: RunOptions, suite: Suite, impls: list[str], pairs: list[Pair], console: Console) -> int:
+    """The plan of a run whose options all passed the real run's checks: the pairs it would measure (with
+    --resume, the missing ones) and the skips it can predict."""
+    done: set[tuple[str, str]] = set()
+    if options.resume is not None:
+        done = {(r.case_id, r.impl) for r in read_run_records(options.resume).records}
+    todo = [p for p in pairs if p.key not in done]
+    print_preflight(console, suite, impls, plan_pairs(todo, options.device), device=options.device,
+                    already=len(pairs) - len(todo), resume=options.resume,
+                    shard_pairs=len(pairs) if options.shard else None, added=options.add_impls)
+    return 0

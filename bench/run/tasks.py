@@ -26,14 +26,21 @@ class Pair:
         return (self.case.case_id, self.impl)
 
 
-def select_impls(suite: Suite, wanted: list[str]) -> list[str]:
-    if not wanted:
-        return list(suite.impls)
+def select_impls(suite: Suite, wanted: list[str], added: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The implementations a run measures: the suite's, or those of them named by `--impl` (a filter), then the
+    ones `--add-impl` adds from outside the suite. A name outside the suite under --impl is refused, so that a
+    filter never quietly adds an implementation (dense at N=16384 is 8.6 GB of scores)."""
     known = registry.names()
-    for name in wanted:
+    for name, option in [*((n, "--impl") for n in wanted), *((n, "--add-impl") for n in added)]:
         if name not in known:
-            raise BadInput(f"got {name!r}; known implementations: {', '.join(sorted(known))}", field="--impl")
-    return list(dict.fromkeys(wanted))
+            raise BadInput(f"got {name!r}; known implementations: {', '.join(sorted(known))}", field=option)
+    outside = [name for name in wanted if name not in suite.impls]
+    if outside:
+        raise BadInput(f"got {', '.join(map(repr, outside))}, not among suite {suite.name}'s implementations "
+                       f"({', '.join(suite.impls)}); --impl picks among those. To measure one outside the suite, "
+                       f"add it with --add-impl {outside[0]}", field="--impl")
+    chosen = list(dict.fromkeys(wanted)) if wanted else list(suite.impls)
+    return chosen + [name for name in dict.fromkeys(added) if name not in chosen]
 
 
 def resolved(case: Case, device_override: str | None) -> Case:

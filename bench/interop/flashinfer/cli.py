@@ -20,8 +20,12 @@ def export_trace(run_dir: Path, root: Path | None, reference: str) -> int:
     if root.exists() and not root.is_dir():
         raise BadInput("not a directory; flashinfer-trace writes a dataset directory", file=str(root), field="-o")
     summary = export_flashinfer(run_dir, root, reference)
+    by_reason: dict[str, list[str]] = {}  # one line per reason, not per record
     for left in summary.left_out:
-        print(f"bench export: left out {left.impl} on {left.case_id}: {left.reason}", file=sys.stderr)
+        by_reason.setdefault(left.reason, []).append(f"{left.impl} on {left.case_id}")
+    for reason, which in by_reason.items():
+        shown = which[0] if len(which) == 1 else f"{len(which)} records ({which[0]}, ...)"
+        print(f"bench export: left out {shown}: {reason}", file=sys.stderr)
     print(f"bench export: wrote {summary.traces} trace(s) of {len(summary.definitions)} definition(s) and "
           f"{len(summary.solutions)} solution(s) under {root} ({len(summary.left_out)} record(s) left out)",
           file=sys.stderr)
