@@ -139,9 +139,16 @@ def print_comparison(comparison: Comparison, console: Console, err_console: Cons
         if show_all:
             console.print(time_table(c, console.width))
         else:
-            moved = [p for p in c.pairs if p.verdict in (cs.SLOWER, cs.FASTER, cs.PATH) and p not in regressions]
-            if moved:
-                console.print(time_table(c, console.width, moved, "time changes (advisory or path changes)"))
+            moved = [p for p in c.pairs if p.verdict in (cs.SLOWER, cs.FASTER) and p not in regressions]
+            if moved and c.time_comparable and not c.time_advisory:  # verdicts that gate: the gains too
+                console.print(time_table(c, console.width, moved, "time changes"))
+            elif moved:  # advisory or across machines: counted, the largest named
+                worst = max(moved, key=lambda p: abs(math.log(p.time.ratio)) if p.time and p.time.ratio > 0 else 0)
+                ratio = worst.time.ratio if worst.time else math.nan
+                console.print(f"{len(moved)} time verdicts SLOWER or FASTER that cannot fail this comparison "
+                              f"({'environments differ' if not c.time_comparable else 'advisory'}; the largest: "
+                              f"{escape(worst.case_id)} | {escape(worst.impl)} x{ratio:.2f}); --all lists them",
+                              highlight=False)
     n_changes = sum(len(p.changes) for p in c.pairs)
     table = changes_table(c, None if show_all or n_changes <= CHANGES_SHOWN else ("regression", "worse"))
     if table is not None:
