@@ -47,8 +47,8 @@ constexpr int64_t MAX_ROWS = 256;  // G * q_len rows of one KV head (32 query he
 constexpr int64_t GK = 16;  // key rows per group: one AVX512 vector of scores
 constexpr int64_t STEP_GROUPS = 4;  // groups per softmax step through pages and gathered tokens
 // A contiguous cache's step where a KV head has at most STREAM_MAX_ROWS query rows (decode is bound by its reads;
-// with more rows by its arithmetic, which the larger steps slowed: 16 rows 5%, 32 rows 12%): as many groups as keep
-// a step's scores of all rows within 64 KB, 64 at most (1024 keys; see attend_lanes).
+// with more rows by its arithmetic, which the larger steps slowed: docs/performance.md, "Measured choices", D1): as
+// many groups as keep a step's scores of all rows within 64 KB, 64 at most (1024 keys; see attend_lanes).
 constexpr int64_t STREAM_MAX_ROWS = 8, STREAM_SCORE_FLOATS = 16384, STREAM_STEP_GROUPS = 64;
 
 inline int64_t stream_step_groups(int64_t rows) {
@@ -515,9 +515,8 @@ struct Lane {
   MaskRows mr;
   Partial* part;
   // Scores four query rows at a time (DotEngine): for keys the hardware prefetcher cannot follow (pages, gathered
-  // tokens), where the data are prefetched and the arithmetic is what remains. Measured on a 2-core EPYC (32
-  // query on 8 KV heads, D128, bf16): pages of 16 at 32K keys 6% faster, DSA's gathered tokens at 16K 18%, a
-  // contiguous cache in DRAM 10% slower (the row loop's bursts of loads keep more misses in flight).
+  // tokens), where the data are prefetched and the arithmetic is what remains; not for a contiguous cache in DRAM,
+  // where the row loop's bursts of loads keep more misses in flight (docs/performance.md, "Measured choices", D2).
   bool quads;
 };
 
@@ -529,12 +528,12 @@ inline void touch(const void* p) {
 
 // A group's rows of K or V (`base`) prefetched into L2. A group of rows lies in one or two 4 KB pages of its own
 // (a page of 16 rows of 256 bytes; a contiguous cache's rows 16 at a time), whose translation is seldom in the TLB:
-// the prefetches alone did nothing measurable (removing them left the paged call's time as it was), and one load
-// of the group's first byte ahead of them, which walks the page table where a prefetch does not, made the paged
-// call 1.5x faster and the contiguous one 1.1x (32K keys, 32 on 8 KV heads, 2-core EPYC, interleaved). A
-// load of its last byte as well was slower; gathered rows (one load each) too; and where rows read the same pages
-// one after the other (Quest's page rows) the pages are at hand and the loads cost 11% (TOUCH false: the caller's
-// pages_reread). A template parameter: tested at run time inside the loop, it slowed Quest's rows by 10%.
+// the prefetches alone did nothing measurable, and one load of the group's first byte ahead of them, which walks the
+// page table where a prefetch does not, made both the paged and the contiguous call faster. A load of its last byte
+// as well was slower; gathered rows (one load each) too; and where rows read the same pages one after the other
+// (Quest's page rows) the pages are at hand and the loads only cost (TOUCH false: the caller's pages_reread). A
+// template parameter: tested at run time inside the loop, it slowed Quest's rows (docs/performance.md, "Measured
+// choices", D3).
 template <bool TOUCH, typename T>
 inline void prefetch_group(const Group& g, const T* base, int64_t d) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
@@ -592,9 +591,9 @@ void lane_step(const Lane<Q>& lane, int64_t g0, const Stepping& step, int64_t ro
 // contiguous cache streams instead (Stepping::stream), in steps of up to 1024 keys: the values of a step are
 // requested while its keys are scored and the next step's keys while its values are summed, a group at a time, so
 // that the reads of one product overlap the arithmetic of the other. Scoring and summing each alone reached the
-// read bandwidth, one after the other they did not: at 32K keys (32 on 8 KV heads, D128, bf16, 2-core EPYC, two
-// threads) the kernel with both prefetched a step of 64 keys ahead took 8.1-9.5 ms, longer than scoring alone and
-// summing alone together (6.0-7.6 ms); streamed in steps of 1024 keys it was 1.25x faster (interleaved).
+// read bandwidth, one after the other they did not: prefetching a step of 64 keys ahead took longer than scoring
+// alone and summing alone together; streaming in steps of 1024 keys did not (docs/performance.md, "Measured
+// choices", D4).
 // s and p: scratch of rows * step.keys() scores and probabilities.
 template <typename T, typename E, bool TOUCH, typename Q>
 void attend_lanes(const std::vector<Lane<Q>>& lanes, const Stepping& step, int64_t rows, const T* k, const T* v,
@@ -715,7 +714,7 @@ std::vector<torch::Tensor> decode_attention(const torch::Tensor& q, const torch:
     const int64_t per_task = paged ? hkv : 1;
     // The threads take chunks of tasks in turn from a shared counter: a thread that a neighbour's process slows
     // takes fewer, and a causal selection's later, costlier rows are not all one thread's (a contiguous range per
-    // thread put them on the last: DSA's rows at 16K ran 1.8x faster dealt out, on 2 threads). A chunk is a
+    // thread put them on the last; docs/performance.md, "Measured choices", D5). A chunk is a
     // 64th of a thread's share (each take is an atomic add), one task where there are few.
     const int64_t units = tasks / per_task, slots = std::min<int64_t>(at::get_num_threads(), units);
     const int64_t chunk = std::max<int64_t>(1, units / (std::max<int64_t>(slots, 1) * 64));

@@ -405,7 +405,8 @@ struct LatePacking {
 };
 
 // Rows and 16-column vectors per register tile of the dot tiles (below): in float32 6 x 4 (as fast as oneDNN's GEMM
-// where every block is whole; 8 x 2 and 12 x 2 were 5% slower there), in bfloat16 8 x 2.
+// where every block is whole), in bfloat16 8 x 2: the fastest shapes tried (docs/performance.md, "Measured
+// choices", K1).
 template <typename T>
 struct TileShape {
   static constexpr int rows = 8, vecs = 2;
@@ -417,16 +418,13 @@ struct TileShape<float> {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // The dot-product tiles: bfloat16 products on AVX512-BF16 (vdpbf16ps) where oneDNN would not run AMX, float32 on
-// AVX512 FMAs. oneDNN's batch-reduce GEMM reached ~98% of the bfloat16 dot-product rate on a hot 64x64x64 block,
-// but the kernel around it ran at ~55% of it: the scores of the tile's 64 rows (128 KB) were written and reread
-// from L2 between the two products, and partial blocks were computed whole. Here the rows of one register tile
-// (TileShape) go through the whole softmax at a time: their scores (8 rows x CHUNK blocks of 64 keys: 16 KB) and
-// probabilities stay in L1, their outputs in registers while the products run, and each block is computed only
-// over the 16-key vectors one of those rows may see (a local window of 256: 1.06x the allowed products instead
-// of 1.24x). bfloat16 local 256 (H8 D64, N 4096, 2-core EPYC, two threads): 1.24x the oneDNN path; tiles of 8 rows
-// x 2 vectors were 2-10% faster than 4 x 4, 6 x 4, 10 x 2, 12 x 2 and 16 x 1, and the broadcast inside the dot
-// instruction made no difference. float32: 1.13x at local 256, 1.04x at causal_local 1024, the same at
-// block_random 0.1 (no partial block). The functions carry their target themselves: the module runs on AVX512
+// AVX512 FMAs. oneDNN's batch-reduce GEMM ran a hot block near the instruction's rate, but the kernel around it
+// ran far below it: the scores of the tile's 64 rows (128 KB) were written and reread from L2 between the two
+// products, and partial blocks were computed whole. Here the rows of one register tile (TileShape) go through the
+// whole softmax at a time: their scores (8 rows x CHUNK blocks of 64 keys: 16 KB) and probabilities stay in L1,
+// their outputs in registers while the products run, and each block is computed only over the 16-key vectors one
+// of those rows may see (BlockTable.dot_tile_pairs counts them). What that gained, and the tile shapes tried:
+// docs/performance.md, "Measured choices", K2. The functions carry their target themselves: the module runs on AVX512
 // CPUs without AVX512-BF16 (the caller says whether it may use it; the float32 instantiations use no bfloat16
 // instruction).
 #define BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
@@ -622,7 +620,7 @@ BF16_TARGET void dot_rows(const DotTask<T>& task, const DotMasks& masks, int64_t
         continue;
       }
       // exp_sum_row's arithmetic, kept apart: exp_sum_row sends a 16-key remainder through std::exp, and given a
-      // 16-key step and called here on each run of computed spans it made the kernel 4% slower (its bfloat16
+      // 16-key step and called here on each run of computed spans it made the kernel slower (K3; its bfloat16
       // conversion is at::vec's integer rounding, as it must run without AVX512-BF16; this is the instruction's)
       __m512 sum = _mm512_setzero_ps();
       for (int64_t c = 0; c < nc; ++c) {
@@ -683,7 +681,7 @@ bool pack_late(int64_t packed_bytes) { return packed_bytes > threads_l2_bytes();
 
 // Whether the output is written with streaming stores: past the L2s it will not be in the cache when its caller
 // reads it, and streaming skips the read that each cached store makes first, and leaves the cache to the packed
-// blocks (bfloat16 local 256, 4 MB out: 4% faster on the 2-core EPYC, float32 local 2.5%).
+// blocks (docs/performance.md, "Measured choices", K4).
 bool stream_output(int64_t bytes) { return bytes > threads_l2_bytes(); }
 
 // out[0..d) = o[0..d) * inv in the output dtype; streamed (stream_output) where the row is whole 64-byte lines.

@@ -51,9 +51,9 @@ def page_rows_attention(selection: Selection, pattern, q: Tensor, k: Tensor, v: 
     assert last_key is not None, "page_rows_attention takes a causal or dense base (page_rows_unavailable)"
     picked = selected_rows(selection, selection.head_index(h, hkv), nq).contiguous()  # (B, H, nq, K)
     # Sequences in (batch, head, row) order, one query row each: a thread walks a head's rows in turn, whose pages
-    # are mostly the same from one row to the next (1.4x faster than the heads of a row in turn, one row's pages of
-    # 8 heads overflowing L2). Their page tables are built in one pass in the kernel's module (a dozen passes of
-    # torch over the 16K x 64 x 8 entries took 0.09 s, a fifth of the call at 16K).
+    # are mostly the same from one row to the next (the heads of a row in turn overflow L2 with one row's pages of
+    # 8 heads). Their page tables are built in one pass in the kernel's module, not by a dozen torch passes
+    # (docs/performance.md, "Measured choices", P1).
     module = decode_module()
     assert module is not None, "page_rows_attention needs the built kernel (page_rows_unavailable)"
     page_table, counts, lens = module.page_row_tables(picked, last_key.to(torch.int64), page, pages, hkv)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 # Bytes of float32 scores one step may hold: with the probabilities as large again, a step stays within a
-# core's 2 MiB L2 and the shared L3 (2 MiB measured fastest on this 2-core machine, 8 MiB 8% slower).
+# core's 2 MiB L2 and the shared L3 (2 MiB measured fastest; docs/performance.md, "Measured choices", P3).
 STEP_BYTES = 2 * 2**20
 # A bucket of query blocks takes a block with more key blocks while its padding stays under this fraction.
 MAX_PADDING = 0.125

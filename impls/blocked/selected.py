@@ -28,8 +28,8 @@ from impls.common import accum_dtype, masked_lse_softmax
 GATHER_ELEMENTS = 1 << 24  # gathered key elements (per chunk of query blocks) the torch path holds at once
 # Query rows per kernel tile for selections per row: a tile runs over the union of its rows' blocks, and rows
 # of one head keep different blocks (MoBA at 16K, budget 1/16: 8.5 blocks a row, 58 in the union of 16 rows'),
-# so one row a tile computes nothing it drops. Measured at 16K (H8/2, D128, bf16; tables and kernel, 2-core EPYC):
-# MoBA 0.81 s with 16 rows, 0.45 with 4, 0.39 with 1; NSA (the KV group's 4 heads a tile) 0.49, 0.26, 0.16.
+# so one row a tile computes nothing it drops; fewer rows were faster for MoBA and NSA (docs/performance.md,
+# "Measured choices", P2).
 ROW_TILE = 1
 
 
