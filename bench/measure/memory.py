@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.heap import LIBC
+from bench.patterns.heap import LIBC
 from bench.results.records import MemoryInfo
 
 # glibc mallopt parameters (malloc.h) and the values used while timing and while measuring memory.

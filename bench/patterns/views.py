@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from bench.heap import release_free_heap
+from bench.patterns.heap import release_free_heap
 
 if TYPE_CHECKING:
     from bench.patterns.documents import DocumentIndex
@@ -131,7 +131,7 @@ class PatternViews:
         offs = torch.arange(bs)
         for r in range(cand.shape[0]):
             if r % TRIM_EVERY_ROWS == TRIM_EVERY_ROWS - 1:
-                release_free_heap()  # each row's temporaries outgrow the last's holes (bench.heap)
+                release_free_heap()  # each row's temporaries outgrow the last's holes (bench.patterns.heap)
             rows = torch.arange(r * bs, min(self.q_len, (r + 1) * bs))
             kb = torch.nonzero(cand[r]).flatten()
             cols = (kb[:, None] * bs + offs[None, :]).flatten()  # (kb * bs,)
