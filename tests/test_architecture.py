@@ -194,3 +194,16 @@ def test_no_import_circles_between_modules():
                                               and m in reach[p] and p in reach[m])}
     assert not circles - packages_own, sorted(circles - packages_own)
     assert "bench.run.ab.suite" not in reach["bench.run.ab.suite"]
+
+
+def test_one_pairs_measurement_names_its_steps_in_one_function_in_the_order_open_takes_them():
+    import inspect
+    import re
+
+    from bench.measure.pair import PairSession, _measure
+
+    source = inspect.getsource(_measure)
+    named = re.findall(r"session\.(\w+),", source)
+    assert tuple(named) == PairSession.EARLY_STEPS
+    assert all(f"session.{step}()" in source for step in ("time", "memory", "quality"))
+    assert "session.record(" in source and len(source.splitlines()) <= 80

@@ -63,7 +63,7 @@ def test_the_rounding_floor_keeps_an_exact_reference_from_failing_everyone():
 
 
 def test_compare_says_when_a_commit_makes_a_kernels_ratio_worse():
-    from bench.analysis.compare import figure_changes
+    from bench.analysis.figures import figure_changes
     from tests.synthetic import record
 
     base = record("c", "blocked", [1e-3] * 5)

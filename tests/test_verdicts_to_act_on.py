@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from bench.analysis.compare import same_figure
+from bench.analysis.figures import same_figure
 from bench.cli import main
 from tests.synthetic import commit_id, noisy, record, write_run
 

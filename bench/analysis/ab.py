@@ -3,7 +3,7 @@
 For every (case, impl) both sides ran:
 
 - deterministic figures (status, FLOPs, density, correctness numbers, communication bytes, CUDA peak memory) are
-  compared exactly with `bench compare`'s own comparison (bench.analysis.compare.figure_changes);
+  compared exactly with `bench compare`'s own comparison (bench.analysis.figures.figure_changes);
 - interleaved pairs get a time verdict from their paired per-round ratios over every trial they had
   (bench.analysis.ab_stats), each pair's sequential p-value over its looks (bench.analysis.ab_sequential)
   corrected with all the others' (Benjamini-Hochberg), and a minimum detectable effect each;
@@ -34,7 +34,7 @@ from bench.analysis.ab_sequential import (
     pair_time,
     smallest_sequential_p,
 )
-from bench.analysis.compare import Change, figure_changes
+from bench.analysis.figures import Change, figure_changes
 from bench.analysis.stats import above_roof, busy_side, path_change, seed_for
 from bench.analysis.stats import judge as judge_pair
 from bench.console.format import format_duration

@@ -2,23 +2,9 @@
 
 The worker (`bench.run.worker`), `bench ab`'s blocks and `bench.api.run` measure through `PairSession`; each rank
 (`bench.measure.rank`), `bench profile`, the pytest-benchmark entry in benchmarks/ and `bench.api.attention`
-prepare through the same `bench.measure.prepare`. The steps, in this order:
-
-1. `skip_reason` (bench.measure.steps): the implementation cannot run here or this case (a `skipped` record);
-2. `CaseCache.for_case`: the case's pattern, its density and FLOPs (shared by the case's implementations);
-3. `make_inputs`, `stage_case` (the selection or the paged pool: bench.measure.prepare), then `prepare_case`: the
-   implementation's untimed setup and its first call, the setup phases it marks timed apart;
-4. `PreparedCase.check`: the output (and dq, dk, dv in fwd_bwd) against the oracle, under the kind's mask;
-   fidelity to dense attention for a selection;
-5. timing (`bench.measure.timing`), in one adaptive run or in short blocks (`PairSession.block`), each call on fresh
-   inputs and cold caches (bench.measure.cold); a fwd_bwd step's phases and a selection's parts apart
-   (`bench.measure.step_timing`); then the kept outputs of timed calls checked (bench.measure.timed_check);
-6. memory: on CPU, where the caller can, in a fresh process (`bench.measure.fresh_memory`), so that no earlier
-   case moves the figure; the model's quality in a model case;
-7. the `Record`.
-
-Any exception of the implementation becomes a `failed` record naming the phase, an output off the oracle an
-`incorrect` one; nothing here raises for the implementation's faults.
+prepare through the same `bench.measure.prepare`. `_measure`, at the end, names the steps in their order, each a
+call to its module. Any exception of the implementation becomes a `failed` record naming the phase, an output off
+the oracle an `incorrect` one; nothing here raises for the implementation's faults.
 """
 
 from __future__ import annotations
@@ -27,12 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.inputs import InputsInfo
 from bench.measure import flops as flop_counts
 from bench.measure.calibrate import gpu_identity, peak_for
 from bench.measure.case_cache import CaseCache, case_attention_stats
@@ -45,6 +29,7 @@ from bench.measure.memory_model import does_not_fit
 from bench.measure.numerics import strict_problem
 from bench.measure.nvml import device_monitor
 from bench.measure.prepare import PreparedCase, StagedCase, prepare_case, stage_case
+from bench.measure.record_draft import RecordDraft
 from bench.measure.step_timing import phase_medians, selected_times
 from bench.measure.steps import (
     Phase,
@@ -61,53 +46,14 @@ from bench.measure.task import Task
 from bench.measure.timed_check import StepKind, TimedSteps, input_sets
 from bench.measure.timing import Timer, TimingPolicy, measure, summarize, timer_for
 from bench.results.records import (
-    AttentionStats,
     DeviceState,
-    ErrorInfo,
-    FidelityInfo,
     MemoryInfo,
-    QualityInfo,
     Record,
-    SelectionInfo,
-    SetupTimes,
     TimeStats,
-    TimingInfo,
-    TrainingInfo,
 )
 from bench.results.store import utc_now
 from bench.selection import SelectionError
 from bench.spec.case import Case
-
-
-class RecordDraft(BaseModel):
-    """The record's fields a pair session learns as it goes, before its status is known (the same names and
-    types as Record's)."""
-
-    model_config = ConfigDict(validate_assignment=False)
-
-    device: str | None = None
-    density: float | None = None
-    block_density: float | None = None
-    flops: float | None = None
-    flops_dense: float | None = None
-    bytes: int | None = None
-    inputs: InputsInfo | None = None
-    attention_stats: AttentionStats | None = None
-    setup_s: float | None = None
-    setup: SetupTimes | None = None
-    config: dict[str, Any] | None = None
-    interpreter: bool = False
-    check_s: float | None = None
-    memory_s: float | None = None
-    error: ErrorInfo | None = None
-    fidelity: FidelityInfo | None = None
-    selection: SelectionInfo | None = None
-    quality: QualityInfo | None = None
-    training: TrainingInfo | None = None
-    time_fwd_s: float | None = None
-    time_bwd_s: float | None = None
-    flops_bwd: float | None = None
-    timing: TimingInfo | None = None
 
 
 class PairSession:
@@ -128,6 +74,7 @@ class PairSession:
         self.current = "start"
         self.phases_s: dict[str, float] = {}  # wall seconds per phase, the harness's own cost beside the timing
         self._phase_t0 = self._t0
+        self.staged: StagedCase | None = None  # the case as the implementation reads it (stage)
         self.prepared: PreparedCase | None = None
         self.problem: str | None = None
         self.samples: list[float] = []
@@ -165,8 +112,20 @@ class PairSession:
         self.phases_s[self.current] = self.phases_s.get(self.current, 0.0) + (now - self._phase_t0)
         self._phase_t0 = now
 
+    # The steps before timing as `_measure` names them: each returns the final record if it ends the pair.
+    EARLY_STEPS = ("skip", "inputs", "stage", "prepare", "check", "fidelity", "arm_timing")
+
     def open(self) -> Record | None:
-        """Everything before timing; a final Record when the pair cannot go on, else None."""
+        """Everything before timing (bench ab's sides time in blocks after it): a final Record when the pair
+        cannot go on, else None."""
+        for name in self.EARLY_STEPS:
+            ended = getattr(self, name)()
+            if ended is not None:
+                return ended
+        return None
+
+    def skip(self) -> Record | None:
+        """Skipped where the implementation cannot run here or this case, or the memory model says it cannot fit."""
         case, impl = self.case, self.impl
         reason = skip_reason(impl, case)
         if reason:
@@ -178,35 +137,13 @@ class PairSession:
             memory = MemoryInfo(peak_bytes=model.total_bytes, method="model",
                                 note="modelled lower bound; the case was not run")
             return self._finish(status="skipped", reason=reason, memory=memory)
-        try:
-            self.prepared = prepare_case(impl, self._stage(), self._phase)
-        except Unavailable as exc:
-            return self._finish(status="skipped", reason=exc.reason)
-        except SelectionError as exc:
-            return self._finish(status="failed", reason=f"invalid selection from selector {case.selector}: {exc}")
-        except Exception as exc:
-            if self.current == "pattern":
-                self.cache.forget()  # a pattern that failed half-way is not kept for the next impl
-            return self.failed(exc)
-        call = self.prepared.call
-        self.draft.setup_s, self.draft.setup, self.draft.config = call.setup_s, call.setup, call.config
-        self.draft.interpreter = bool((call.config or {}).get("interpreter", False))
-        final = self._check()
-        if final is not None:
-            return final
-        if self.timer is None:
-            self.timer = timer_for(case.device, self.task.measure.cache)
-        try:
-            sets = input_sets(self.prepared.staged, self.cache, self.task.measure.rotate)
-        except Exception as exc:
-            return self.failed(exc)
-        if sets is not None:
-            sets.after_load = self.prepared.call.refresh
-        self.timed = TimedSteps(self.timer, sets, case.device, self.task.measure.cache)
         return None
 
-    def _stage(self) -> StagedCase:
-        """The pattern and its figures, the inputs, the attention statistics, the case's kind staged."""
+    def inputs(self) -> Record | None:
+        """The case's pattern and its figures, the seeded inputs, the attention statistics where asked."""
+        return self._guarded(self._inputs)
+
+    def _inputs(self) -> None:
         case, cache, draft = self.case, self.cache, self.draft
         self._phase("pattern")
         pattern = cache.for_case(case)
@@ -217,17 +154,50 @@ class PairSession:
         if cache.inputs is None:
             cache.inputs = make_inputs(case)
         draft.inputs = cache.inputs.info()
-        q, k, v, grad_out = call_inputs(case, cache.inputs)
         if self.task.measure.attention_stats:
             self._enter("attention statistics")
             draft.attention_stats = case_attention_stats(case, pattern, cache)
-        staged = stage_case(case, pattern, q, k, v, grad_out, cache, self._phase)
-        draft.bytes = staged.bytes
-        self._enter("prepare")
-        return staged
 
-    def _check(self) -> Record | None:
-        """The first output's shape, the oracle check and a selection's fidelity; a failed record, or None."""
+    def stage(self) -> Record | None:
+        """The case's kind staged (bench.measure.prepare.stage_case): a selection, a paged pool, plain inputs."""
+        return self._guarded(self._stage)
+
+    def _stage(self) -> None:
+        q, k, v, grad_out = call_inputs(self.case, self.cache.inputs)
+        self.staged = stage_case(self.case, self.cache.for_case(self.case), q, k, v, grad_out, self.cache,
+                                 self._phase)
+        self.draft.bytes = self.staged.bytes
+
+    def prepare(self) -> Record | None:
+        """The implementation's untimed setup and its first call (bench.measure.prepare.prepare_case)."""
+        return self._guarded(self._prepare)
+
+    def _prepare(self) -> None:
+        assert self.staged is not None
+        self._enter("prepare")
+        self.prepared = prepare_case(self.impl, self.staged, self._phase)
+        call = self.prepared.call
+        self.draft.setup_s, self.draft.setup, self.draft.config = call.setup_s, call.setup, call.config
+        self.draft.interpreter = bool((call.config or {}).get("interpreter", False))
+
+    def _guarded(self, step: Callable[[], None]) -> Record | None:
+        """Run a step that builds the case: an implementation's Unavailable is a skip, a selector's bad output and
+        any other exception a failure naming the phase."""
+        try:
+            step()
+        except Unavailable as exc:
+            return self._finish(status="skipped", reason=exc.reason)
+        except SelectionError as exc:
+            return self._finish(status="failed", reason=f"invalid selection from selector {self.case.selector}: {exc}")
+        except Exception as exc:
+            if self.current == "pattern":
+                self.cache.forget()  # a pattern that failed half-way is not kept for the next impl
+            return self.failed(exc)
+        return None
+
+    def check(self) -> Record | None:
+        """The first output's shape, then the output (and gradients) against the float64 oracle; an output off it
+        makes the record `incorrect` but is still timed."""
         assert self.prepared is not None
         out, expected = self.prepared.output, self.case.q_shape()
         if not isinstance(out, Tensor) or tuple(out.shape) != expected:
@@ -240,14 +210,36 @@ class PairSession:
             self.draft.error, self.problem = self.prepared.check(self.task.measure.check, self.cache.oracle)
             self.problem = self.problem or strict_problem(self.draft.error, self.task.measure.numerics)
             self.draft.check_s = time.perf_counter() - started
-            staged = self.prepared.staged
-            if staged.selection is not None and staged.selector is not None:
-                self._phase("fidelity")
-                self.draft.fidelity = case_fidelity(staged, self.cache)
         except Exception as exc:
             return self.failed(exc)
-        del out
-        self.prepared.call.first_output = None
+        return None
+
+    def fidelity(self) -> Record | None:
+        """A selection's fidelity to dense attention under the base pattern (bench.measure.grad_fidelity)."""
+        staged = self.staged
+        assert staged is not None
+        if staged.selection is None or staged.selector is None:
+            return None
+        try:
+            self._phase("fidelity")
+            self.draft.fidelity = case_fidelity(staged, self.cache)
+        except Exception as exc:
+            return self.failed(exc)
+        return None
+
+    def arm_timing(self) -> Record | None:
+        """The timer and the timed calls' input sets, caches and checks (bench.measure.timed_check)."""
+        assert self.prepared is not None
+        self.prepared.call.first_output = None  # checked: its memory goes back before timing
+        if self.timer is None:
+            self.timer = timer_for(self.case.device, self.task.measure.cache)
+        try:
+            sets = input_sets(self.prepared.staged, self.cache, self.task.measure.rotate)
+        except Exception as exc:
+            return self.failed(exc)
+        if sets is not None:
+            sets.after_load = self.prepared.call.refresh
+        self.timed = TimedSteps(self.timer, sets, self.case.device, self.task.measure.cache)
         return None
 
     @property
@@ -385,13 +377,24 @@ def measure_task(task: Task, cache: CaseCache, phase: Phase = no_phase, fresh: F
 
 
 def _measure(session: PairSession) -> Record:
-    final = session.open()
-    if final is not None:
-        return final
+    """One pair's measurement, top to bottom. Each step is a call to its module through the session, which keeps
+    the record's draft and the time of each phase; a step that ends the pair returns its final record."""
+    for step in (
+        session.skip,  # unavailable here, an unsupported case, too big for the memory model: skipped
+        session.inputs,  # the pattern and its figures, the seeded inputs (bench.measure.case_cache, bench.inputs)
+        session.stage,  # a selection, a paged pool or plain inputs, as the case's kind says (prepare.stage_case)
+        session.prepare,  # the implementation's setup and first call, untimed (prepare.prepare_case)
+        session.check,  # the first output against the float64 oracle (prepare.PreparedCase.check)
+        session.fidelity,  # a selection against dense attention (grad_fidelity)
+        session.arm_timing,  # fresh input sets, cold caches, the timed calls to check (timed_check, cold)
+    ):
+        ended = step()
+        if ended is not None:
+            return ended
     try:
-        time_s, device_state = session.time()
-        memory = session.memory()
-        session.quality()
+        time_s, device_state = session.time()  # the timed calls, then their kept outputs checked (timing)
+        memory = session.memory()  # peak memory, in a fresh process on CPU where it can (fresh_memory)
+        session.quality()  # a model case: the model with this attention against the reference (quality/)
     except Exception as exc:
         return session.failed(exc)
-    return session.record(time_s, memory, device_state)
+    return session.record(time_s, memory, device_state)  # the roof, contention, status: the Record
