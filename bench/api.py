@@ -15,8 +15,8 @@ from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.measure.prepare import prepare
-from bench.measure.reference import check_shapes
+from bench.measure.case.prepare import prepare
+from bench.measure.oracle.reference import check_shapes
 from bench.patterns import Pattern
 from bench.patterns.score_mods import case_problems as score_mod_case_problems
 from bench.results.records import Record

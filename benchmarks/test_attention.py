@@ -15,10 +15,10 @@ import torch
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.measure.case_cache import CaseCache
-from bench.measure.flops import useful_flops
-from bench.measure.prepare import prepare
-from bench.measure.steps import call_inputs, make_inputs, skip_reason
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.flops import useful_flops
+from bench.measure.case.prepare import prepare
+from bench.measure.case.steps import call_inputs, make_inputs, skip_reason
 from bench.spec.case import Case, resolve_device
 
 
@@ -44,7 +44,7 @@ def test_attention(benchmark: Any, pair: tuple[Case, str, Any], request: pytest.
     pattern = cache.for_case(case)
     cache.inputs = make_inputs(case)
     q, k, v, grad_out = call_inputs(case, cache.inputs)
-    try:  # the selection case with its selector, the paged case through its page table (bench.measure.prepare)
+    try:  # the selection case with its selector, the paged case through its page table (bench.measure.case.prepare)
         prepared = prepare(impl, case, pattern, q, k, v, grad_out, cache)
     except Unavailable as exc:
         pytest.skip(exc.reason)

@@ -64,7 +64,7 @@ class NaiveLoop(Impl):
         def call():
             # K in the accumulation dtype once per call: its gradient then sums over the rows in float32 and is
             # rounded to the input dtype once (per-row casts rounded dK to bfloat16 after every row: 2.5x the
-            # same-dtype reference's error, bench.measure.numerics)
+            # same-dtype reference's error, bench.measure.oracle.numerics)
             k_acc = k.to(acc)
             if needs_grad:
                 # Autograd through n in-place writes into one (B, H, N, N) tensor copies its gradient n times

@@ -4,7 +4,7 @@ Times a fixed attention call (dense, 2 torch threads, seq_len 1024) in a child p
 alone and beside 1, 2 and 4 busy processes (each a Python loop spinning), and reads what bench's
 ContentionMeter reads: CPU pressure (PSI), load per core, CPU time over wall time, and the call's median
 time. Writes `probe.json` and `probe.md` to OUT_DIR (default docs/contention/); docs/DESIGN.md chooses the
-thresholds of bench.measure.contention from them. The machine's other users are not ours to stop: the
+thresholds of bench.measure.machine.contention from them. The machine's other users are not ours to stop: the
 pressure before each step is recorded beside the readings, so a "quiet" step that was not can be seen.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, statistics, sys, time, torch
 sys.path.insert(0, {root!r})
-from bench.measure.contention import ContentionMeter, psi_some_us
+from bench.measure.machine.contention import ContentionMeter, psi_some_us
 torch.set_num_threads(2)
 q = torch.randn(1, 4, 1024, 64); k = torch.randn(1, 4, 1024, 64); v = torch.randn(1, 4, 1024, 64)
 def call():
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
-    from bench.measure.contention import machine_load
+    from bench.measure.machine.contention import machine_load
 
     rows = []
     for r in range(args.repeats):

@@ -60,11 +60,11 @@ echo "gpu_check: GPU '${GPU_NAME:-none}', results under $DIR, budget ${BUDGET_S}
 # and forward+backward); suites/gpu_workloads.yaml: Llama-3-8B's grouped-query shape (causal_local, packed
 # documents, a softcap); suites/gpu_decode.yaml: one query over 128K keys, contiguous and through pages of 16;
 # suites/gpu_model.yaml: two selectors at 32K and the built-in recall model. With GPU_CHECK_CARD_SUITE=1, then the suite sized to the detected card's memory
-# (bench.measure.hardware suite-for-gpu: rtx4090, a100, h100 - the last also on H200) with what is left.
+# (bench.measure.machine.hardware suite-for-gpu: rtx4090, a100, h100 - the last also on H200) with what is left.
 choose_suites() {
     local gpu_name=$1 card_suite=""
     if [[ ${GPU_CHECK_CARD_SUITE:-0} == 1 ]]; then
-        [[ -n $gpu_name ]] && card_suite=$("$PY" -m bench.measure.hardware suite-for-gpu --name "$gpu_name" 2>/dev/null)
+        [[ -n $gpu_name ]] && card_suite=$("$PY" -m bench.measure.machine.hardware suite-for-gpu --name "$gpu_name" 2>/dev/null)
         card_suite=${card_suite:-suites/gpu_dense.yaml}
     fi
     echo "suites/gpu.yaml suites/gpu_workloads.yaml suites/gpu_decode.yaml suites/gpu_model.yaml $card_suite"

@@ -16,8 +16,8 @@ import torch
 
 from bench.inputs import StructuredKnobs
 from bench.inputs.structured import StructuredInputs, structured_inputs
-from bench.measure.attention_stats import attention_statistics
-from bench.measure.reference import reference_weights
+from bench.measure.oracle.attention_stats import attention_statistics
+from bench.measure.oracle.reference import reference_weights
 from bench.patterns import make_pattern
 
 HEADS, KV_HEADS, HEAD_DIM, Q_LEN = 32, 8, 128, 512

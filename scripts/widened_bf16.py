@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from bench.measure.case_cache import CaseCache
+from bench.measure.case.case_cache import CaseCache
 from bench.measure.pair import measure_task
 from bench.measure.task import Task
 from bench.spec.case import Case

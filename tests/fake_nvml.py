@@ -1,4 +1,4 @@
-"""A fake `pynvml` module: the functions bench.measure.nvml calls, over GPUs whose state a test can change.
+"""A fake `pynvml` module: the functions bench.measure.machine.nvml calls, over GPUs whose state a test can change.
 
 Values follow NVML's units: memory in bytes, clocks in MHz, power in milliwatts, temperature in C,
 violation time in nanoseconds; names and UUIDs come back as str, as nvidia-ml-py returns them.
@@ -105,7 +105,8 @@ def make_module(gpus: list[FakeGpu], driver: str = "550.54.15", cuda: int = 1204
 
 
 def fake_torch(cuda_devices: list[tuple[str, str, int]] | None = None, current: int = 0) -> types.SimpleNamespace:
-    """The slice of torch that bench.env/bench.measure.nvml use; devices are (name, uuid without 'GPU-', bytes)."""
+    """The slice of torch that bench.env/bench.measure.machine.nvml use; devices are (name, uuid without 'GPU-',
+    bytes)."""
     devices = cuda_devices or []
 
     def props(index):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import impls  # noqa: F401 - registers the implementations
 from bench import registry
 from bench.comm import Communicator, use
-from bench.measure.steps import call_inputs, timed_step
+from bench.measure.case.steps import call_inputs, timed_step
 from bench.spec.case import Case
 
 SCHEMES = ("tp_heads", "cp_ring", "cp_allgather", "cp_sparse", "cp_ulysses", "cp_usp")

@@ -14,7 +14,7 @@ import torch
 import impls.blocked.kernel as kernel
 from bench import registry
 from bench.api import case_for
-from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import make_pattern
 from impls.blocked.decode import DECODE_ROWS
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.measure.case_cache import CaseCache
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.oracle.reference import reference_attention
 from bench.measure.pair import Task, measure_task
-from bench.measure.reference import reference_attention
 from bench.patterns import make_pattern
 from bench.selection import Selection, effective_mask
 from bench.spec.case import Case

@@ -8,11 +8,11 @@ import pytest
 
 from bench.cli import main
 from bench.errors import BadInput
-from bench.measure import calibrate
-from bench.measure.calibrate import Settings, copy_bandwidth, load, matmul_rate, peak_for, store
-from bench.measure.calibrate import calibrate as run_calibration
-from bench.measure.env import capture
-from bench.measure.hardware import GiB
+from bench.measure.machine import calibrate
+from bench.measure.machine.calibrate import Settings, copy_bandwidth, load, matmul_rate, peak_for, store
+from bench.measure.machine.calibrate import calibrate as run_calibration
+from bench.measure.machine.env import capture
+from bench.measure.machine.hardware import GiB
 from bench.measure.timing import TimingPolicy
 from bench.results.environment import Calibration
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite

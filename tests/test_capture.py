@@ -10,7 +10,7 @@ from safetensors import safe_open  # noqa: E402
 
 from bench.api import run as api_run  # noqa: E402
 from bench.cli import main  # noqa: E402
-from bench.measure.reference import reference_attention  # noqa: E402
+from bench.measure.oracle.reference import reference_attention  # noqa: E402
 from bench.patterns import make_pattern  # noqa: E402
 from tests.conftest import write_suite  # noqa: E402
 

@@ -17,7 +17,7 @@ import torch
 from bench import registry
 from bench.api import attention
 from bench.errors import Unavailable
-from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import PATTERNS, make_pattern
 
 SEQ_LENS = [97, 130, 257]

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from bench.analysis import ab_stats as st
 from bench.analysis import stats as cs
-from bench.measure import contention as ct
+from bench.measure.machine import contention as ct
 from bench.results.records import DeviceState, Record
 from bench.run.console import busy_line, summary_table
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite

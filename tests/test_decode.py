@@ -8,9 +8,9 @@ import torch
 from bench import api
 from bench.cli import main
 from bench.inputs.paged import kv_lengths, page_kv
-from bench.measure.calibrate import peak_for
-from bench.measure.flops import min_bytes, pattern_kv_rows
-from bench.measure.reference import reference_attention
+from bench.measure.case.flops import min_bytes, pattern_kv_rows
+from bench.measure.machine.calibrate import peak_for
+from bench.measure.oracle.reference import reference_attention
 from bench.patterns import make_pattern
 from bench.registry import get
 from bench.results.environment import Calibration

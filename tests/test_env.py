@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from bench.cli import main
-from bench.measure import env as env_module
 from bench.measure import pair as measure_module
-from bench.measure.nvml import GpuMonitor, Nvml, UnmonitoredGpu, decode_reasons, device_monitor
+from bench.measure.machine import env as env_module
+from bench.measure.machine.nvml import GpuMonitor, Nvml, UnmonitoredGpu, decode_reasons, device_monitor
 from bench.results.environment import Environment
 from bench.results.records import DeviceState, GpuIdentity
 from bench.spec.case import Case
@@ -220,7 +220,7 @@ def test_bench_env_prints_json(capsys):
 
 
 def test_a_copied_tree_takes_its_commit_from_whoever_copied_it(tmp_path, monkeypatch):
-    from bench.measure import env
+    from bench.measure.machine import env
 
     monkeypatch.delenv("BENCH_GIT_COMMIT", raising=False)
     own = env.git_info()

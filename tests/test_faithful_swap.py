@@ -106,7 +106,7 @@ def test_what_the_swap_cannot_apply_is_refused_by_name():
 
 def test_a_failed_quality_step_keeps_the_kernels_measurement(tmp_path, monkeypatch):
     from bench.measure import pair
-    from bench.measure.case_cache import CaseCache
+    from bench.measure.case.case_cache import CaseCache
     from bench.measure.task import Task
 
     def broken(case, impl_name):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import impls.flex as flex_module
-from bench.measure.reference import reference_attention
+from bench.measure.oracle.reference import reference_attention
 from bench.patterns import make_pattern, register_mask_mod
 from bench.selection import Selection
 from bench.spec.case import Case

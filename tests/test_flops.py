@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.measure import flops
+from bench.measure.case import flops
 from bench.measure.pair import CaseCache, Task, measure_task
 from bench.patterns import make_pattern
 from bench.spec.case import Case

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from bench import registry
-from bench.measure.calibrate import QUICK, calibrate
-from bench.measure.env import capture
-from bench.measure.hardware import match_gpu
+from bench.measure.machine.calibrate import QUICK, calibrate
+from bench.measure.machine.env import capture
+from bench.measure.machine.hardware import match_gpu
+from bench.measure.machine.nvml import GpuMonitor, device_monitor
 from bench.measure.memory_model import does_not_fit
-from bench.measure.nvml import GpuMonitor, device_monitor
 from bench.measure.pair import CaseCache, Task, measure_task
 from bench.measure.timing import CudaTimer, TimingPolicy, measure
 from bench.spec.case import Case

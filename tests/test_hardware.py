@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.measure import hardware
-from bench.measure.hardware import HARDWARE, GiB, match_gpu, resolve, suite_for_gpu
+from bench.measure.machine import hardware
+from bench.measure.machine.hardware import HARDWARE, GiB, match_gpu, resolve, suite_for_gpu
 
 TERA = 1e12
 
@@ -147,7 +147,7 @@ def test_an_installed_bench_finds_its_suites_outside_the_checkout(tmp_path):
                           "--target", str(site), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stdout + pip.stderr
     program = ("import bench, sys\n"
-               "from bench.measure.hardware import suite_for_gpu\n"
+               "from bench.measure.machine.hardware import suite_for_gpu\n"
                "from bench.spec.suite import load_suite\n"
                f"assert bench.__file__.startswith({str(site)!r}), bench.__file__\n"
                "path = suite_for_gpu('NVIDIA H100 80GB HBM3', 80 * 2**30)\n"

@@ -13,8 +13,8 @@ from bench.cli import main
 from bench.inputs import InputsSpec, StructuredKnobs, make
 from bench.inputs.files import file_sha256
 from bench.inputs.structured import rope_frequencies, structured_inputs
-from bench.measure.attention_stats import attention_statistics
-from bench.measure.steps import make_inputs
+from bench.measure.case.steps import make_inputs
+from bench.measure.oracle.attention_stats import attention_statistics
 from bench.patterns import make_pattern
 from bench.spec.case import Case
 from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
@@ -96,7 +96,7 @@ def test_each_knob_moves_its_statistic(knob, low, high, statistic):
 
 
 def test_heavy_hitters_take_mass_from_many_queries():
-    from bench.measure.reference import reference_weights
+    from bench.measure.oracle.reference import reference_weights
 
     def heavy_mass(made) -> float:
         pattern = make_pattern("causal", SHAPE["seq_len"])

@@ -26,7 +26,7 @@ ENGINES = {"DEFAULT": ("onednn_brgemm", "onednn_brgemm_widened", "portable"),
 
 CHECK = r"""
 import json, torch
-from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import make_pattern
 from impls.blocked import kernel, decode
 

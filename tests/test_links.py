@@ -19,8 +19,8 @@ import pytest
 import impls  # noqa: F401
 from bench import registry
 from bench.comm import Communicator, link_bytes, use
-from bench.measure.rank_part import RankPart
-from bench.measure.topology import links, topology_of
+from bench.measure.machine.topology import links, topology_of
+from bench.measure.ranks.rank_part import RankPart
 from bench.results.records import LinkBytes
 from tests.link_rank_program import SCHEMES, cases
 

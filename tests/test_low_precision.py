@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.api import attention
-from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import make_pattern
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,7 +112,7 @@ def test_low_precision_inference_on_a_band_takes_the_fused_kernel(mode, path):
     # float16: bfloat16 inference goes to blocked's own CPU kernel (tests/test_blocked_kernel.py)
     from bench import registry
     from bench.api import case_for
-    from bench.measure.steps import prepare_call
+    from bench.measure.case.steps import prepare_call
     from impls.blocked.fused import FUSED_ROWS, fused_available
 
     pattern = make_pattern("causal_local", 600, window=100, block_size=16)

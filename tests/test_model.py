@@ -7,7 +7,7 @@ import torch
 
 from bench.analysis.model import BOUNDS, block_pairs, bound, min_bytes, model_records
 from bench.cli import main
-from bench.measure.hardware import resolve
+from bench.measure.machine.hardware import resolve
 from bench.results.store import load_run
 from bench.spec.case import Case
 from tests.conftest import only_run_dir, run_bench, write_suite

@@ -1,4 +1,4 @@
-"""Numerics against a same-dtype reference ([R4 3/6], bench.measure.numerics): every implementation that takes
+"""Numerics against a same-dtype reference ([R4 3/6], bench.measure.oracle.numerics): every implementation that takes
 fwd_bwd keeps out, dq, dk, dv within 2x the same-dtype PyTorch reference's error in float32 and bfloat16, with
 grouped-query heads, odd lengths and fewer query rows; a planted kernel inside the fixed tolerance is flagged,
 the reference's own math is not, and `measure: {numerics: strict}` makes the flag an incorrect record."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from bench import registry
-from bench.measure.case_cache import CaseCache
-from bench.measure.numerics import ROUNDING_FLOOR, ratio
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.oracle.numerics import ROUNDING_FLOOR, ratio
 from bench.measure.pair import Task, measure_task
 from bench.spec.case import Case
 from bench.spec.plugins import load_plugin

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.measure.reference import compare, reference_attention
+from bench.measure.oracle.reference import compare, reference_attention
 from bench.patterns import make_pattern
 from impls.parallel_common import attend, attend_with_lse, merge
 

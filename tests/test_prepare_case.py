@@ -1,4 +1,4 @@
-"""Every caller that times a case prepares it through bench.measure.prepare: a selection case is timed with its
+"""Every caller that times a case prepares it through bench.measure.case.prepare: a selection case is timed with its
 selector and a paged case through its page table in the pair session (`bench run`), in the fresh process of the
 memory probe, in `bench profile`, in the pytest-benchmark entry of benchmarks/ and in `bench.api`; the ranks of a
 distributed pair refuse a selection they cannot take instead of timing the base pattern, and read a paged case

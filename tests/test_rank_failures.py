@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from bench.measure.rank_part import RankPart
-from bench.measure.rank_record import assemble_record
+from bench.measure.ranks.rank_part import RankPart
+from bench.measure.ranks.rank_record import assemble_record
 from bench.measure.task import Task
 from bench.run import ranks
 from bench.spec.case import Case

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from bench.measure import reference
-from bench.measure.reference import compare, reference_attention, rows_to_check, tolerance_for
+from bench.measure.oracle import reference
+from bench.measure.oracle.reference import compare, reference_attention, rows_to_check, tolerance_for
 from bench.patterns import Pattern, make_pattern
 
 

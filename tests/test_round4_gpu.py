@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.measure.case_cache import CaseCache
+from bench.measure.case.case_cache import CaseCache
 from bench.measure.pair import Task, measure_task
 from bench.spec.case import Case
 

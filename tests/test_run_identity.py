@@ -12,7 +12,7 @@ import pytest
 
 from bench.cli import main
 from bench.errors import BadInput
-from bench.measure.env import capture, git_info
+from bench.measure.machine.env import capture, git_info
 from bench.results.records import RunInfo
 from bench.run.identity import check_run_id, differences
 from bench.spec.suite import load_suite
@@ -159,7 +159,7 @@ def test_results_and_dashboards_do_not_make_a_tree_dirty(tmp_path):
 
 
 def test_an_installed_bench_reports_its_version_not_the_commit_of_the_directory_it_runs_in(tmp_path, monkeypatch):
-    from bench.measure import env
+    from bench.measure.machine import env
 
     monkeypatch.delenv("BENCH_GIT_COMMIT", raising=False)
     monkeypatch.setattr(env, "PROJECT_ROOT", tmp_path / "site-packages")  # no checkout around the code

@@ -17,7 +17,7 @@ from bench import registry
 from bench.api import attention
 from bench.cli import main
 from bench.errors import Unavailable
-from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import alibi_slopes, make_pattern, make_score_mod, t5_bucket
 from bench.spec.case import Case
 from bench.spec.plugins import load_plugin

@@ -10,8 +10,8 @@ import torch
 
 from bench import api
 from bench.cli import main
-from bench.measure.fidelity import fidelity
-from bench.measure.reference import reference_attention_lse
+from bench.measure.oracle.fidelity import fidelity
+from bench.measure.oracle.reference import reference_attention_lse
 from bench.selection import Selection, SelectionError, effective_mask, get_selector, run_selector
 from bench.spec.case import Case
 from bench.spec.plugins import load_plugin
@@ -116,7 +116,7 @@ def test_bad_selections_name_the_first_bad_index():
 def test_fidelity_holds_its_laws():
     case = Case(batch=1, heads=4, kv_heads=2, head_dim=32, seq_len=512, pattern="causal", block_size=32,
                 device="cpu", inputs="structured", selector="test_rows", budget=0.25, seed=2)
-    from bench.measure.steps import make_inputs
+    from bench.measure.case.steps import make_inputs
 
     made = make_inputs(case)
     pattern = case.make_pattern()
@@ -128,7 +128,7 @@ def test_fidelity_holds_its_laws():
     _, dense_lse = reference_attention_lse(made.q, made.k, made.v, pattern)
     _, chosen_lse = reference_attention_lse(made.q, made.k, made.v, pattern, extra_mask=lambda r: effective_mask(
         chosen, pattern, r, case.heads, case.n_kv_heads))
-    from bench.measure.reference import reference_weights
+    from bench.measure.oracle.reference import reference_weights
 
     weights = torch.cat([w for _, w in reference_weights(made.q, made.k, pattern)], dim=2)
     mask = effective_mask(chosen, pattern, torch.arange(512), case.heads, case.n_kv_heads)
@@ -200,7 +200,7 @@ def test_bad_selection_fields_exit_2(tmp_path, capsys, change, words):
 def test_oracle_topk_is_the_best_block_selection():
     case = Case(batch=1, heads=2, head_dim=32, seq_len=256, pattern="causal", block_size=32, device="cpu",
                 inputs="structured", selector="oracle_topk", budget=2)
-    from bench.measure.steps import make_inputs
+    from bench.measure.case.steps import make_inputs
 
     made = make_inputs(case)
     pattern = case.make_pattern()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.api import attention
-from bench.measure.reference import compare, reference_attention
+from bench.measure.oracle.reference import compare, reference_attention
 from bench.patterns import Local, make_pattern
 from tests import pattern_zoo
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench import registry
-from bench.measure.case_cache import CaseCache
+from bench.measure.case.case_cache import CaseCache
 from bench.measure.cold import CacheSize, CpuEvictor, InputSets, TimedCalls, last_level_cache
 from bench.measure.pair import measure_task
 from bench.measure.task import Task
@@ -156,7 +156,7 @@ def test_each_timed_call_gets_the_next_set_written_before_the_eviction_and_the_d
 
 
 def test_a_figure_past_a_roof_is_marked_with_its_reason():
-    from bench.measure.calibrate import peak_for
+    from bench.measure.machine.calibrate import peak_for
     from bench.results.environment import Bandwidth, Calibration, MatmulRate
 
     calibration = Calibration(matmul={"float32": MatmulRate(flops_per_s=1e11), "bfloat16": MatmulRate(

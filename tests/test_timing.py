@@ -12,8 +12,8 @@ import pytest
 
 from bench import registry
 from bench.measure import pair as measure_module
-from bench.measure import steps as measure_steps
 from bench.measure import timing
+from bench.measure.case import steps as measure_steps
 from bench.measure.timing import CpuTimer, CudaTimer, TimingPolicy, measure, median_ci95, median_ci_ranks
 
 

@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.measure.pair import CaseCache, Task, measure_task
-from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.patterns import Pattern, make_pattern
 from bench.registry import get
 from bench.run.console import summary_table
@@ -73,7 +73,7 @@ def test_interpreter_mode_is_chosen_before_anything_imports_triton():
     proc = _python("import impls\nimport triton.language as tl\nprint(type(tl.zeros).__name__)" + RUN_ONE_FORWARD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "InterpretedFunction" in proc.stdout and "torch.Size([1, 1, 40, 16])" in proc.stdout
-    from bench.measure.env import capture
+    from bench.measure.machine.env import capture
 
     assert capture("cpu").versions.triton  # from package metadata, without importing triton
 

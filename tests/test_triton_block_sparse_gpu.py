@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import make_pattern
 from bench.registry import get
 from bench.spec.case import Case

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.measure.case_cache import CaseCache
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.measure.pair import Task, measure_task
-from bench.measure.reference import compare, reference_attention, tolerance_for
 from bench.patterns import Pattern, make_pattern
 from bench.registry import get
 from bench.spec.case import Case

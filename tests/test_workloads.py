@@ -18,7 +18,7 @@ import torch
 from bench import registry
 from bench.api import attention, case_for
 from bench.errors import Unavailable
-from bench.measure.reference import compare, reference_attention, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import Pattern, make_pattern, register_mask_mod, register_pattern
 
 

@@ -5,7 +5,7 @@ memory bandwidth)), each written as a record whose `impl` names the bound:
 
 - `bound_dense`: every (query, key) pair computed, a FlashAttention-style kernel that skips nothing;
 - `bound_block`: only the blocks of the pattern's block layout at the case's block_size (block-sparse kernels);
-- `bound_sparse`: only the allowed pairs (the useful FLOPs of bench.measure.flops).
+- `bound_sparse`: only the allowed pairs (the useful FLOPs of bench.measure.case.flops).
 
 Bytes are the least any kernel must move: q, k, v read and the output written once forward; in fwd_bwd also
 q, k, v, the output and its gradient read and dq, dk, dv written. The peak is the datasheet's tensor-core
@@ -30,9 +30,9 @@ from rich.table import Table
 
 from bench.console.format import format_gib, format_seconds
 from bench.errors import BadInput
-from bench.measure import flops as flop_counts
-from bench.measure.env import git_info, versions
-from bench.measure.hardware import HardwareSpec, resolve
+from bench.measure.case import flops as flop_counts
+from bench.measure.machine.env import git_info, versions
+from bench.measure.machine.hardware import HardwareSpec, resolve
 from bench.measure.memory_model import kv_tensor_bytes, tensor_bytes
 from bench.results.records import Record, RunInfo, SuiteInfo
 from bench.results.store import RECORDS, RUN_JSON, RecordWriter, create_run_dir, utc_now, write_json_atomic

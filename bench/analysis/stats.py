@@ -178,7 +178,7 @@ def interval_verdict(ci_low: float, ci_high: float, note: str | None, q_value: f
 
 def busy_side(sides: Sequence[tuple[str, Sequence[Record | None]]]) -> str | None:
     """Why a time change cannot be called: `BASE timed on a busy machine (CPU pressure 63% (>= 20%))` for the first
-    side with a record measured busy (bench.measure.contention), else None."""
+    side with a record measured busy (bench.measure.machine.contention), else None."""
     for name, records in sides:
         for r in records:
             if r is not None and r.busy and r.contention is not None:

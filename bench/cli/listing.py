@@ -131,7 +131,7 @@ def list_command(what: str, console: Console) -> int:
     elif what == "tasks":
         console.print(tasks_table())
     else:
-        from bench.measure.hardware import hardware_table
+        from bench.measure.machine.hardware import hardware_table
 
         console.print(hardware_table())
     return 0

@@ -35,7 +35,7 @@ def add_list(sub: argparse._SubParsersAction) -> None:
 def _cmd_env(args: argparse.Namespace) -> int:
     import json
 
-    from bench.measure.env import capture
+    from bench.measure.machine.env import capture
     from bench.spec.case import resolve_device
 
     env = capture(backend=resolve_device("auto"))
@@ -49,7 +49,7 @@ def add_env(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from bench.measure import calibrate
+    from bench.measure.machine import calibrate
     from bench.spec.case import resolve_device
 
     dtypes = args.dtype or list(calibrate.MATMUL_DTYPES)
@@ -75,7 +75,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 
 def add_model(sub: argparse._SubParsersAction) -> None:
-    from bench.measure.hardware import GPU_CHOICES
+    from bench.measure.machine.hardware import GPU_CHOICES
 
     p = sub.add_parser("model", help="lower-bound times of a suite's cases on a GPU that is not here (a model)")
     p.add_argument("suite", metavar="SUITE.yaml", help="the suite whose cases to model")

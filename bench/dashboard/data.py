@@ -114,7 +114,7 @@ class Row:
     peak_bandwidth: float | None = None  # bytes/s: the memory roof
     peak_bandwidth_source: str | None = None
     peak_bound: str | None = None  # memory | compute: which roof binds
-    attention_stats: AttentionStats | None = None  # bench.measure.attention_stats of the case's inputs
+    attention_stats: AttentionStats | None = None  # bench.measure.oracle.attention_stats of the case's inputs
     selection: SelectionInfo | None = None  # a selection case's selector, units and three times
     fidelity: FidelityInfo | None = None  # a selection case's closeness to dense attention
     error: ErrorInfo | None = None  # the whole check: ratios to the same-dtype reference, gradients

@@ -50,7 +50,7 @@ def correctness_matrix(rows: Sequence[Row]) -> CorrectnessMatrix | None:
 
 
 def _ratios(row: Row) -> str:
-    """Each tensor's error over the same-dtype reference's (bench.measure.numerics), e.g. `out 0.9x, dq 1.1x`."""
+    """Each tensor's error over the same-dtype reference's (bench.measure.oracle.numerics), e.g. `out 0.9x, dq 1.1x`."""
     e = row.error
     if e is None or e.ratio is None:
         return ""

@@ -1,7 +1,7 @@
 """A case's q, k, v: random Gaussians, the structured generator, or a file of captured tensors.
 
 `make(spec, shape, ...)` is the one place inputs are made; every implementation, the oracle and every
-measurement of a case see what it returns (bench.measure.steps.make_inputs calls it once per case, untimed).
+measurement of a case see what it returns (bench.measure.case.steps.make_inputs calls it once per case, untimed).
 The kinds and the case field are described in `bench.inputs.spec`; the generator in `bench.inputs.structured`;
 files in `bench.inputs.files`; FlashInfer-Bench workloads in `bench.inputs.flashinfer`.
 """

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bench import registry
-from bench.measure.case_cache import CaseCache
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.prepare import PreparedCase, StagedCase, prepare_case, stage_case
+from bench.measure.case.steps import call_inputs, make_inputs
 from bench.measure.memory import measure_peak, track_allocations
-from bench.measure.prepare import PreparedCase, StagedCase, prepare_case, stage_case
-from bench.measure.steps import call_inputs, make_inputs
 from bench.measure.task import Task
 from bench.results.records import MemoryInfo
 from bench.selection import Selection

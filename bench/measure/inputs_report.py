@@ -1,7 +1,7 @@
 """`bench inputs SUITE.yaml [--case N]`: what each case's inputs make of dense attention, before measuring.
 
 For each case (or the one asked for) the inputs are made as a run makes them and the attention statistics of
-`bench.measure.attention_stats` are computed on the oracle's rows: how much of a row's mass its top 1/5/10% of
+`bench.measure.oracle.attention_stats` are computed on the oracle's rows: how much of a row's mass its top 1/5/10% of
 keys and top 5% of key blocks hold, its entropy, the sinks' share, and how the heads differ. Random inputs
 show flat rows (top 5% of keys ~ 27% of the mass); structured and captured inputs show what selectors work on.
 """
@@ -18,9 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from bench.errors import BadInput
-from bench.measure.attention_stats import STAT_NAMES, attention_statistics
-from bench.measure.check import checked_rows
-from bench.measure.steps import make_inputs
+from bench.measure.case.steps import make_inputs
+from bench.measure.oracle.attention_stats import STAT_NAMES, attention_statistics
+from bench.measure.oracle.check import checked_rows
 from bench.spec.case import Case, resolve_device
 from bench.spec.suite import load_suite
 

@@ -1,8 +1,8 @@
 """The measurement of one (case, implementation) in this process: the one copy every caller uses.
 
 The worker (`bench.run.worker`), `bench ab`'s blocks and `bench.api.run` measure through `PairSession`; each rank
-(`bench.measure.rank`), `bench profile`, the pytest-benchmark entry in benchmarks/ and `bench.api.attention`
-prepare through the same `bench.measure.prepare`. `_measure`, at the end, names the steps in their order, each a
+(`bench.measure.ranks.rank`), `bench profile`, the pytest-benchmark entry in benchmarks/ and `bench.api.attention`
+prepare through the same `bench.measure.case.prepare`. `_measure`, at the end, names the steps in their order, each a
 call to its module. Any exception of the implementation becomes a `failed` record naming the phase, an output off
 the oracle an `incorrect` one; nothing here raises for the implementation's faults.
 """
@@ -17,21 +17,10 @@ from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.measure import flops as flop_counts
-from bench.measure.calibrate import gpu_identity, peak_for
-from bench.measure.case_cache import CaseCache, case_attention_stats
-from bench.measure.cold import TimedCalls
-from bench.measure.contention import ContentionMeter, wait_for_quiet
-from bench.measure.env import cpu_features, device_description
-from bench.measure.fresh_memory import FreshMemory, pair_memory
-from bench.measure.grad_fidelity import case_fidelity
-from bench.measure.memory_model import does_not_fit
-from bench.measure.numerics import strict_problem
-from bench.measure.nvml import device_monitor
-from bench.measure.prepare import PreparedCase, StagedCase, prepare_case, stage_case
-from bench.measure.record_draft import RecordDraft
-from bench.measure.step_timing import phase_medians, selected_times
-from bench.measure.steps import (
+from bench.measure.case import flops as flop_counts
+from bench.measure.case.case_cache import CaseCache, case_attention_stats
+from bench.measure.case.prepare import PreparedCase, StagedCase, prepare_case, stage_case
+from bench.measure.case.steps import (
     Phase,
     call_inputs,
     describe_failure,
@@ -42,6 +31,17 @@ from bench.measure.steps import (
     release_memory,
     skip_reason,
 )
+from bench.measure.cold import TimedCalls
+from bench.measure.fresh_memory import FreshMemory, pair_memory
+from bench.measure.machine.calibrate import gpu_identity, peak_for
+from bench.measure.machine.contention import ContentionMeter, wait_for_quiet
+from bench.measure.machine.env import cpu_features, device_description
+from bench.measure.machine.nvml import device_monitor
+from bench.measure.memory_model import does_not_fit
+from bench.measure.oracle.grad_fidelity import case_fidelity
+from bench.measure.oracle.numerics import strict_problem
+from bench.measure.record_draft import RecordDraft
+from bench.measure.step_timing import phase_medians, selected_times
 from bench.measure.task import Task
 from bench.measure.timed_check import StepKind, TimedSteps, input_sets
 from bench.measure.timing import Timer, TimingPolicy, measure, summarize, timer_for
@@ -159,7 +159,7 @@ class PairSession:
             draft.attention_stats = case_attention_stats(case, pattern, cache)
 
     def stage(self) -> Record | None:
-        """The case's kind staged (bench.measure.prepare.stage_case): a selection, a paged pool, plain inputs."""
+        """The case's kind staged (bench.measure.case.prepare.stage_case): a selection, a paged pool, plain inputs."""
         return self._guarded(self._stage)
 
     def _stage(self) -> None:
@@ -169,7 +169,7 @@ class PairSession:
         self.draft.bytes = self.staged.bytes
 
     def prepare(self) -> Record | None:
-        """The implementation's untimed setup and its first call (bench.measure.prepare.prepare_case)."""
+        """The implementation's untimed setup and its first call (bench.measure.case.prepare.prepare_case)."""
         return self._guarded(self._prepare)
 
     def _prepare(self) -> None:
@@ -215,7 +215,7 @@ class PairSession:
         return None
 
     def fidelity(self) -> Record | None:
-        """A selection's fidelity to dense attention under the base pattern (bench.measure.grad_fidelity)."""
+        """A selection's fidelity to dense attention under the base pattern (bench.measure.oracle.grad_fidelity)."""
         staged = self.staged
         assert staged is not None
         if staged.selection is None or staged.selector is None:
@@ -381,7 +381,7 @@ def _measure(session: PairSession) -> Record:
     the record's draft and the time of each phase; a step that ends the pair returns its final record."""
     for step in (
         session.skip,  # unavailable here, an unsupported case, too big for the memory model: skipped
-        session.inputs,  # the pattern and its figures, the seeded inputs (bench.measure.case_cache, bench.inputs)
+        session.inputs,  # the pattern and its figures, the seeded inputs (bench.measure.case.case_cache, bench.inputs)
         session.stage,  # a selection, a paged pool or plain inputs, as the case's kind says (prepare.stage_case)
         session.prepare,  # the implementation's setup and first call, untimed (prepare.prepare_case)
         session.check,  # the first output against the float64 oracle (prepare.PreparedCase.check)

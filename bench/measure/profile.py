@@ -21,9 +21,9 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput, Unavailable
-from bench.measure.case_cache import CaseCache
-from bench.measure.prepare import prepare
-from bench.measure.steps import call_inputs, make_inputs, skip_reason
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.prepare import prepare
+from bench.measure.case.steps import call_inputs, make_inputs, skip_reason
 from bench.spec.case import Case, resolve_device
 from bench.spec.suite import load_suite
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from bench.measure.case_cache import CaseCache
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.prepare import PreparedCase
+from bench.measure.case.selected import selection_record
 from bench.measure.cold import TimedCalls
-from bench.measure.prepare import PreparedCase
-from bench.measure.selected import selection_record
 from bench.measure.timed_check import StepKind
 from bench.measure.timing import TimingPolicy, measure, summarize
 from bench.results.records import SelectionInfo, TimeStats

@@ -17,12 +17,12 @@ from torch import Tensor
 
 from bench.inputs import another_set
 from bench.inputs.paged import page_kv
-from bench.measure.case_cache import CaseCache
-from bench.measure.check import OracleResults, check_against_oracle
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.paged import check_sequences
+from bench.measure.case.prepare import PreparedCase, StagedCase
+from bench.measure.case.selected import check_selected, split_output
 from bench.measure.cold import InputSets, KeptCall, TimedCalls, evictor_for, timing_info
-from bench.measure.paged import check_sequences
-from bench.measure.prepare import PreparedCase, StagedCase
-from bench.measure.selected import check_selected, split_output
+from bench.measure.oracle.check import OracleResults, check_against_oracle
 from bench.measure.timing import Timer, TimingPolicy
 from bench.results.records import TimingInfo
 from bench.selection import Selection, run_selector

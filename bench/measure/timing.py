@@ -25,8 +25,8 @@ from scipy import stats as scipy_stats
 
 from bench.results.records import StoppedBy, TimeStats
 
-# When the device reports no L2 size: 72 MiB, the largest L2 of the cards in bench.measure.hardware (RTX 4090's);
-# flushing more than needed only costs time outside the timed region.
+# When the device reports no L2 size: 72 MiB, the largest L2 of the cards in bench.measure.machine.hardware
+# (RTX 4090's); flushing more than needed only costs time outside the timed region.
 DEFAULT_L2_BYTES = 72 * 2**20
 # The CI is re-evaluated when the sample count has grown by this factor, so checking costs O(log n) sorts
 # instead of one sort per sample (which would dominate for microsecond calls).

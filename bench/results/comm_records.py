@@ -1,4 +1,4 @@
-"""The communication parts of a distributed record (bench.measure.rank_record assembles them): bytes per op,
+"""The communication parts of a distributed record (bench.measure.ranks.rank_record assembles them): bytes per op,
 level and link, each rank's share, where the ranks ran."""
 
 from __future__ import annotations

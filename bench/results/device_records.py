@@ -1,5 +1,5 @@
-"""What a record says of the device around its timing: the GPU's state and throttling (bench.measure.nvml), and
-whether the machine was busy (bench.measure.contention)."""
+"""What a record says of the device around its timing: the GPU's state and throttling (bench.measure.machine.nvml), and
+whether the machine was busy (bench.measure.machine.contention)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
 class GpuState(BaseModel):
-    """What can change on a GPU while it is measured (bench.measure.nvml), sampled before and after."""
+    """What can change on a GPU while it is measured (bench.measure.machine.nvml), sampled before and after."""
 
     model_config = _STRICT
     time: float
@@ -46,7 +46,8 @@ class DeviceState(BaseModel):
 
 
 class ContentionInfo(BaseModel):
-    """Was the machine busy while the pair was timed (bench.measure.contention): the readings and the verdict."""
+    """Was the machine busy while the pair was timed (bench.measure.machine.contention): the readings and the
+    verdict."""
 
     model_config = _STRICT
     cpu_pressure: float | None = None  # share of the timed wall time some task waited for a CPU (PSI); null: no PSI

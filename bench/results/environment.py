@@ -1,7 +1,7 @@
 """What a run was measured on, as typed data: run.json's `env` (git, host, CPU, GPUs, NVML, versions, backend,
 calibration) and the fingerprint over the fields that make timings comparable.
 
-Capturing it (reading /proc, NVML, git) is `bench.measure.env`; this module only defines and reads it, so
+Capturing it (reading /proc, NVML, git) is `bench.measure.machine.env`; this module only defines and reads it, so
 that every reader - compare, history, export, the dashboards - gets the same fields by the same names. Models
 ignore keys they do not know (future fields, or a modelled run's `modelled_hardware`) rather than fail on them.
 """
@@ -116,7 +116,7 @@ class Bandwidth(BaseModel):
 
 
 class Calibration(BaseModel):
-    """This machine's matmul rates per dtype, copy and read bandwidths (bench.measure.calibrate), or why it
+    """This machine's matmul rates per dtype, copy and read bandwidths (bench.measure.machine.calibrate), or why it
     failed."""
 
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
@@ -152,7 +152,7 @@ FINGERPRINT_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 class LoadAt(BaseModel):
-    """The machine's load at one moment (bench.measure.contention.machine_load)."""
+    """The machine's load at one moment (bench.measure.machine.contention.machine_load)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     load1: float | None = None

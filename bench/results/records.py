@@ -131,7 +131,7 @@ class ErrorInfo(BaseModel):
     nonfinite: int = 0
     grads: dict[str, GradError] | None = None  # dq, dk, dv in mode fwd_bwd
     lse_max_abs: float | None = None  # selections: the log-sum-exp against the oracle's, where the impl returns it
-    # against a same-dtype PyTorch reference (bench.measure.numerics): its rel_l2 to the same oracle, our ratio
+    # against a same-dtype PyTorch reference (bench.measure.oracle.numerics): its rel_l2 to the same oracle, our ratio
     reference_rel_l2: float | None = None
     ratio: float | None = None
     lse_rel_l2: float | None = None
@@ -182,8 +182,8 @@ class Distribution(BaseModel):
 
 
 class AttentionStats(BaseModel):
-    """How concentrated dense attention under the case's pattern is on its inputs (bench.measure.attention_stats),
-    each over (batch, head, query row) of the oracle's rows."""
+    """How concentrated dense attention under the case's pattern is on its inputs
+    (bench.measure.oracle.attention_stats), each over (batch, head, query row) of the oracle's rows."""
 
     model_config = _STRICT
     top1_mass: Distribution
@@ -206,7 +206,7 @@ class Spread(BaseModel):
 
 
 class SelectionInfo(BaseModel):
-    """A selection case's selector and its cost (bench.measure.selected): units, sharing, what it kept, the
+    """A selection case's selector and its cost (bench.measure.case.selected): units, sharing, what it kept, the
     selector alone and the attention over a fixed selection (the record's time_s is end to end)."""
 
     model_config = _STRICT
@@ -226,7 +226,7 @@ class SelectionInfo(BaseModel):
 
 
 class GradFidelity(BaseModel):
-    """One gradient of a selected attention against dense attention's (bench.measure.grad_fidelity)."""
+    """One gradient of a selected attention against dense attention's (bench.measure.oracle.grad_fidelity)."""
 
     model_config = _STRICT
     rel_l2: float
@@ -234,7 +234,8 @@ class GradFidelity(BaseModel):
 
 
 class FidelityInfo(BaseModel):
-    """How close a selection's attention is to dense attention under the base pattern (bench.measure.fidelity)."""
+    """How close a selection's attention is to dense attention under the base pattern
+    (bench.measure.oracle.fidelity)."""
 
     model_config = _STRICT
     recall: Spread
@@ -279,7 +280,7 @@ class Record(BaseModel):
     comm: CommInfo | None = None
     error: ErrorInfo | None = None
     flops: float | None = None  # useful FLOPs per call
-    bytes: int | None = None  # the least bytes the call must move (bench.measure.flops.min_bytes)
+    bytes: int | None = None  # the least bytes the call must move (bench.measure.case.flops.min_bytes)
     density: float | None = None
     block_density: float | None = None
     # Beyond the contract's minimum: provenance and derived figures.

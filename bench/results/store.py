@@ -28,7 +28,8 @@ RUN_JSON = "run.json"
 RECORDS = "records.jsonl"
 # A shard of a run (bench run --shard I/N) writes its own part, records.<I>of<N>.jsonl; a run is all its parts.
 PART_RE = re.compile(r"^records\.(\d+)of(\d+)\.jsonl$")
-# The one directory of the store that is not a run: `bench calibrate`'s rates per fingerprint (bench.measure.calibrate).
+# The one directory of the store that is not a run: `bench calibrate`'s rates per fingerprint
+# (bench.measure.machine.calibrate).
 CALIBRATION_DIR = "calibration"
 
 

@@ -1,6 +1,6 @@
 """The calibration a run compares its records with: measured at its start in a child process, or stored.
 
-With `measure: {calibrate: true}` the runner measures a quick calibration (bench.measure.calibrate) in a child
+With `measure: {calibrate: true}` the runner measures a quick calibration (bench.measure.machine.calibrate) in a child
 (bench.run.child), so that a GPU context is not kept in the runner; otherwise it uses the one `bench calibrate`
 stored for this environment's fingerprint, if any.
 """
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.measure.calibrate import MATMUL_DTYPES, QUICK, Settings, calibrate, load
+from bench.measure.machine.calibrate import MATMUL_DTYPES, QUICK, Settings, calibrate, load
 from bench.results.environment import Calibration
 from bench.run import messages
 from bench.run.child import Child, ChildSide, describe_exit

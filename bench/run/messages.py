@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from bench.measure import rank_part
+from bench.measure.ranks import rank_part
 from bench.measure.task import Task
 from bench.results.environment import Calibration, Environment
 
@@ -68,7 +68,7 @@ class Samples(BaseModel):
 
 
 class RankPartDone(BaseModel):
-    """A rank's part of a distributed record (bench.measure.rank_part)."""
+    """A rank's part of a distributed record (bench.measure.ranks.rank_part)."""
 
     model_config = _STRICT
     type: Literal["part"] = "part"

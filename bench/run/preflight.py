@@ -17,8 +17,8 @@ from rich.table import Table
 
 from bench import registry
 from bench.errors import BadInput
+from bench.measure.case.steps import skip_reason
 from bench.measure.memory_model import does_not_fit
-from bench.measure.steps import skip_reason
 from bench.results.store import RUN_JSON
 from bench.run.identity import check_run_id
 from bench.run.tasks import Pair, resolved

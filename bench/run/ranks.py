@@ -33,8 +33,8 @@ from typing import Any
 
 from bench import registry
 from bench.errors import BadInput
-from bench.measure.rank_part import RankPart
-from bench.measure.steps import describe_failure, failure_kind, skip_reason
+from bench.measure.case.steps import describe_failure, failure_kind, skip_reason
+from bench.measure.ranks.rank_part import RankPart
 from bench.measure.task import Task
 from bench.results.records import FailureKind, Record
 from bench.results.store import utc_now
@@ -88,7 +88,7 @@ def run_pair(task: Task, plugins: list[tuple[str, str | None]], timeout_s: float
     """Measure one (case, impl) over case.world_size rank processes; always returns a Record."""
     import torch.distributed as dist
 
-    from bench.measure.rank_record import assemble_record
+    from bench.measure.ranks.rank_record import assemble_record
 
     started, t_start = utc_now(), time.perf_counter()
     world, device = int(task.case["world_size"]), str(task.case["device"])
@@ -195,7 +195,7 @@ def _take(r: _Rank, message: Any) -> None:
 
 
 def _timeout_reason(ranks: list[_Rank], timeout_s: float) -> str:
-    from bench.measure.rank import PHASES
+    from bench.measure.ranks.rank import PHASES
 
     pending = [r for r in ranks if r.part is None]
     order = {p: i for i, p in enumerate(PHASES)}
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     try:
-        from bench.measure.rank import RankContext, measure_on_rank
+        from bench.measure.ranks.rank import RankContext, measure_on_rank
         from bench.registry import names
         from bench.spec.plugins import load_plugin
 

@@ -21,8 +21,8 @@ from rich.console import Console
 
 from bench import registry
 from bench.errors import BadInput
-from bench.measure.contention import machine_load
-from bench.measure.env import capture, git_info, measured_code
+from bench.measure.machine.contention import machine_load
+from bench.measure.machine.env import capture, git_info, measured_code
 from bench.measure.task import MeasureSettings, Task
 from bench.results.environment import RunLoad
 from bench.results.records import Record, RunInfo, SuiteInfo
@@ -281,7 +281,7 @@ def _write_run_info(options: RunOptions, suite: Suite, console: Console, run_id:
     env = env.model_copy(update={"load": RunLoad(start=machine_load()), "code": _code_of(suite)})
     if suite.measure.calibrate:
         console.print(f"calibrating {backend} (measure.calibrate: true): matmul rates and copy bandwidth")
-    # float32 always: the roof of 16-bit dtypes on a CPU that widens them (bench.measure.calibrate.NATIVE_DOT)
+    # float32 always: the roof of 16-bit dtypes on a CPU that widens them (bench.measure.machine.calibrate.NATIVE_DOT)
     dtypes = sorted({c.dtype for c in suite.cases} | {"float32"})
     calibrated = calibration.for_run(suite.measure.calibrate, backend, dtypes, options.out, env.fingerprint or "")
     if calibrated is not None:
@@ -301,7 +301,8 @@ def _check_same_run(run_dir: Path, suite: Suite, device: str | None, option: str
 
 
 def _code_of(suite: Suite) -> dict[str, str] | None:
-    """The digests of the suite's measured code outside git (bench.measure.env.measured_code); None when none."""
+    """The digests of the suite's measured code outside git (bench.measure.machine.env.measured_code); None when
+    none."""
     return measured_code(suite.plugins, suite.path.parent if suite.path else None) or None
 
 

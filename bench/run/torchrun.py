@@ -6,7 +6,7 @@ directory, the records, the progress and the summary, and runs world_size-1 pair
 usual. Before each pair it broadcasts the task to every rank (the ranks move in lockstep, pair by pair).
 For a pair with world_size P <= WORLD_SIZE, ranks 0..P-1 form a fresh process group for it (nccl for CUDA
 cases, gloo otherwise, timeout timeout_s) and a gloo control group, each measures its part in-process
-(bench.measure.rank), and rank 0 gathers the parts and assembles the record. P > WORLD_SIZE is a skip.
+(bench.measure.ranks.rank), and rank 0 gathers the parts and assembles the record. P > WORLD_SIZE is a skip.
 
 Failures: a rank that raises records its failure, and its peers' collectives give up after timeout_s.
 torchrun owns the processes, so nothing here can kill a rank that hangs outside a collective: a watchdog
@@ -24,8 +24,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from bench.measure.rank_part import RankPart
-from bench.measure.steps import describe_failure, skip_reason
+from bench.measure.case.steps import describe_failure, skip_reason
+from bench.measure.ranks.rank_part import RankPart
 from bench.measure.task import Task
 from bench.results.records import Record
 from bench.results.store import utc_now
@@ -87,7 +87,7 @@ class Session:
         if world == 1:
             return None
         parts = self._run(task)
-        from bench.measure.rank_record import assemble_record
+        from bench.measure.ranks.rank_record import assemble_record
 
         return assemble_record(task, [p for p in parts if p is not None],
                                backend_for(str(task.case["device"])), started, time.perf_counter() - t0)
@@ -130,7 +130,7 @@ class Session:
         if self.rank < world:
             faulthandler.dump_traceback_later(self.timeout_s + WATCHDOG_MARGIN_S, exit=True, file=sys.stderr)
             try:
-                from bench.measure.rank import RankContext, measure_on_rank
+                from bench.measure.ranks.rank import RankContext, measure_on_rank
 
                 ctx = RankContext(dist.get_rank(group), world, group, control, backend, device)
                 part = measure_on_rank(task, ctx)

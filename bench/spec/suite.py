@@ -107,10 +107,10 @@ class Measure(BaseModel):
     # CPU memory: in a fresh process per pair (no earlier case moves it; costs the pair's setup again), or in the
     # worker after its timing (cheap; the figure may move with what earlier cases left on the heap)
     memory: Literal["fresh", "worker"] = "fresh"
-    # the attention statistics of each case's inputs (bench.measure.attention_stats) in its records
+    # the attention statistics of each case's inputs (bench.measure.oracle.attention_stats) in its records
     attention_stats: StrictBool = False
     wait_for_quiet_s: Annotated[StrictFloat, Field(ge=0, le=3600)] = 0.0  # for a quiet CPU before each pair
-    # report each tensor's error against a same-dtype reference (bench.measure.numerics); strict: a ratio above 2
+    # report each tensor's error against a same-dtype reference (bench.measure.oracle.numerics); strict: a ratio above 2
     # makes the record incorrect
     numerics: Literal["report", "strict"] = "report"
     # cold: the caches evicted before every timed call (bench.measure.cold); warm is a choice the records state

@@ -23,7 +23,7 @@ from bench.interop.flashinfer.compare import ElementCheck, element_check, to_bas
 from bench.interop.flashinfer.entries import EntryError, reference_run
 from bench.interop.flashinfer.layout import DTYPES, call_inputs, ours
 from bench.interop.flashinfer.synth import Target
-from bench.measure.reference import compare, reference_attention_lse, tolerance_for
+from bench.measure.oracle.reference import compare, reference_attention_lse, tolerance_for
 from bench.spec.case import Case
 
 # Above this many score elements (B * H * q_len * N) the import does not run the reference on the CPU: their

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from bench.measure.case.steps import describe_failure
 from bench.measure.quality.evaluate import evaluate_quality, quality_failure
 from bench.measure.quality.train import train_against_dense
-from bench.measure.steps import describe_failure
 from bench.results.quality_records import QualityInfo, TrainingInfo
 from bench.spec.case import Case
 

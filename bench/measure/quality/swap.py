@@ -2,7 +2,7 @@
 
 `swap_attention(model, impl, selector=..., budget=..., pattern="causal", layers=None, **fields)` is a context
 manager: inside it, every chosen attention layer of `model` computes its attention with `impl` (and the selector
-over the base pattern) as `bench run` would, by `bench.measure.prepare` on each call's q, k, v (the
+over the base pattern) as `bench run` would, by `bench.measure.case.prepare` on each call's q, k, v (the
 implementation's untimed setup and its first call: every layer call brings new tensors). The other layers keep
 the model's own implementation. GQA is the model's: query heads (B, H, N, D), keys and values (B, Hkv, N, D) as
 the layer hands them over. Inside `torch.no_grad()` the case is inference (mode fwd); with gradients
@@ -32,8 +32,8 @@ from torch import Tensor
 
 from bench import registry
 from bench.errors import Unavailable
-from bench.measure.case_cache import CaseCache
-from bench.measure.prepare import prepare
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.prepare import prepare
 from bench.patterns import Pattern
 from bench.spec.case import DTYPES, Case
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bench import registry
 from bench.errors import BadInput
-from bench.measure.env import capture
+from bench.measure.machine.env import capture
 from bench.measure.task import MeasureSettings
 from bench.run import calibration, messages
 from bench.run.tasks import Pair, backend_of, plugin_specs, task_for

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 
 def launcher_env(slurm: Mapping[str, str]) -> dict[str, str]:
-    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the node: bench.measure.topology) from
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the node: bench.measure.machine.topology) from
     srun's SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the tasks per node and SLURM_NODEID."""
     missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "MASTER_ADDR",
                            "MASTER_PORT") if k not in slurm]

@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.errors import BadInput
-from bench.measure.env import git_info
+from bench.measure.machine.env import git_info
 from bench.results.store import (
     RecordWriter,
     create_run_dir,

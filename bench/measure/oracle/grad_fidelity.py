@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bench.measure.case_cache import CaseCache
-from bench.measure.check import GRAD_NAMES, Grads, OracleResults, checked_rows, rows_only
-from bench.measure.fidelity import fidelity
-from bench.measure.prepare import StagedCase
-from bench.measure.reference import reference_attention
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.prepare import StagedCase
+from bench.measure.oracle.check import GRAD_NAMES, Grads, OracleResults, checked_rows, rows_only
+from bench.measure.oracle.fidelity import fidelity
+from bench.measure.oracle.reference import reference_attention
 from bench.patterns import Pattern
 from bench.results.records import FidelityInfo, GradFidelity
 from bench.spec.case import Case
@@ -45,7 +45,7 @@ def gradient_fidelity(selected: Grads, dense: Grads) -> dict[str, GradFidelity]:
 
 
 def case_fidelity(staged: StagedCase, cache: CaseCache) -> FidelityInfo:
-    """A selection case's fidelity to dense attention under its base pattern (bench.measure.fidelity), with its
+    """A selection case's fidelity to dense attention under its base pattern (bench.measure.oracle.fidelity), with its
     gradients' in fwd_bwd: computed for the case's first implementation, kept in `cache` for the rest."""
     if cache.fidelity is None:
         assert cache.inputs is not None and staged.selection is not None

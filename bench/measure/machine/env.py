@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.measure.nvml import Nvml, shared, torch_uuid
+from bench.measure.machine.nvml import Nvml, shared, torch_uuid
 from bench.results.environment import CpuInfo, Environment, GitInfo, NvmlStatus, Versions
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding bench/measure/
+PROJECT_ROOT = Path(__file__).resolve().parents[3]  # the checkout holding bench/measure/machine/
 
 
 def _git(*args: str, cwd: Path) -> str | None:

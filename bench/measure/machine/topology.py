@@ -18,7 +18,7 @@ from bench.comm.communicator import link_bytes
 from bench.results.records import LinkBytes, Topology
 
 if TYPE_CHECKING:
-    from bench.measure.rank_part import RankPart
+    from bench.measure.ranks.rank_part import RankPart
 
 
 def node_label() -> str:

@@ -11,7 +11,7 @@ is not dense attention's. For each (case, implementation):
    selection), output and log-sum-exp where the implementation returns one, gradients in fwd_bwd;
 4. three timings: the selector alone, `attend` over the fixed selection, and end to end (`attend(selector(q,
    k))`, the record's `time_s`). Reference selectors (the oracles: dense attention's cost) are timed by one call;
-5. fidelity to dense attention (bench.measure.fidelity), once per case.
+5. fidelity to dense attention (bench.measure.oracle.fidelity), once per case.
 """
 
 from __future__ import annotations
@@ -25,17 +25,24 @@ import torch
 from torch import Tensor
 
 from bench import registry
-from bench.measure.check import OracleResults, checked_rows, grad_errors, nonfinite_only, rows_only, with_numerics
-from bench.measure.numerics import finite_rel_l2, reference_errors
-from bench.measure.reference import compare, reference_attention_lse, tolerance_for
-from bench.measure.steps import Phase, Prepared, prepare_with
+from bench.measure.case.steps import Phase, Prepared, prepare_with
+from bench.measure.oracle.check import (
+    OracleResults,
+    checked_rows,
+    grad_errors,
+    nonfinite_only,
+    rows_only,
+    with_numerics,
+)
+from bench.measure.oracle.numerics import finite_rel_l2, reference_errors
+from bench.measure.oracle.reference import compare, reference_attention_lse, tolerance_for
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo, SelectionInfo, TimeStats
 from bench.selection import Selection, SelectorInfo, effective_mask, get_selector, run_selector
 from bench.spec.case import Case
 
 if TYPE_CHECKING:
-    from bench.measure.case_cache import CaseCache
+    from bench.measure.case.case_cache import CaseCache
 
 
 def case_selection(case: Case, q: Tensor, k: Tensor, cache: CaseCache) -> tuple[SelectorInfo, Selection]:

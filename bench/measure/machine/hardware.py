@@ -5,7 +5,7 @@ attention does not use), in FLOP/s; memory in bytes; bandwidths in bytes/s. NVID
 are GiB (a 24 GB RTX 4090 reports 24564 MiB). Interconnect bandwidth is the datasheet's total over both
 directions. These are upper bounds no kernel reaches; `bench calibrate` measures what this machine reaches.
 
-    python -m bench.measure.hardware suite-for-gpu   # prints the suite file for the GPU detected here
+    python -m bench.measure.machine.hardware suite-for-gpu   # prints the suite file for the GPU detected here
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from rich.table import Table
 
 # bench/suites: in a checkout a link to suites/, in an installed package the copy its wheel carries
-SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"
+SUITES_DIR = Path(__file__).resolve().parents[2] / "suites"
 GiB = 2**30
 TERA = 1e12
 
@@ -152,7 +152,7 @@ def detect_gpu() -> tuple[str, int] | None:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.name, int(props.total_memory)
-    from bench.measure.nvml import shared
+    from bench.measure.machine.nvml import shared
 
     nvml = shared()
     if nvml.count():
@@ -188,7 +188,7 @@ def _display_path(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.measure.hardware")
+    parser = argparse.ArgumentParser(prog="python -m bench.measure.machine.hardware")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("suite-for-gpu", help="print the suite file sized for the GPU detected here")
     p.add_argument("--name", help="a device name instead of detecting one (e.g. 'NVIDIA H200')")

@@ -1,15 +1,16 @@
-"""The ranks' parts of a distributed pair (bench.measure.rank) assembled into one Record: the failure that explains
-the others, the slowest rank's times, bytes per rank, op and level, each rank's share, imbalance and overlap."""
+"""The ranks' parts of a distributed pair (bench.measure.ranks.rank) assembled into one Record: the failure that
+explains the others, the slowest rank's times, bytes per rank, op and level, each rank's share, imbalance and
+overlap."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from bench.comm.communicator import bus_factor
-from bench.measure.rank import PHASES
-from bench.measure.rank_part import OpCount, RankPart
+from bench.measure.machine.topology import links
+from bench.measure.ranks.rank import PHASES
+from bench.measure.ranks.rank_part import OpCount, RankPart
 from bench.measure.task import Task
-from bench.measure.topology import links
 from bench.results.records import CommInfo, CommLevel, CommOp, MemoryInfo, RankComm, Record
 
 

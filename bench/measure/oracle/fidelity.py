@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from bench.inputs import CaseInputs
-from bench.measure.reference import reference_chunks
+from bench.measure.oracle.reference import reference_chunks
 from bench.patterns import Pattern
 from bench.results.records import FidelityInfo, Spread
 from bench.selection import Selection, effective_mask

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from bench.inputs import CaseInputs
 from bench.inputs.paged import PagedKV
-from bench.measure.attention_stats import attention_statistics
-from bench.measure.check import OracleResults, checked_rows
+from bench.measure.oracle.attention_stats import attention_statistics
+from bench.measure.oracle.check import OracleResults, checked_rows
 from bench.patterns import Pattern
 from bench.results.records import AttentionStats, FidelityInfo, TimeStats
 from bench.selection import Selection

@@ -126,7 +126,7 @@ def calibrate(device: str, dtypes: list[str] | None = None, settings: Settings |
     threads and with one (CPU) on `device`."""
     import torch
 
-    from bench.measure.env import device_description
+    from bench.measure.machine.env import device_description
     from bench.results.store import utc_now
 
     settings = settings or Settings()
@@ -196,8 +196,9 @@ def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
     peak: the floor the call cannot go under), and `above_roof` where a fraction passes 1 + ABOVE_ROOF_MARGIN.
     None when neither roof is known.
 
-    `gpu`: (name, memory bytes) of the CUDA device, looked up in bench.measure.hardware for the datasheet figures.
-    `cpu_features`: the CPU's instruction-set features (bench.measure.env.cpu_info): a CPU without a native dot
+    `gpu`: (name, memory bytes) of the CUDA device, looked up in bench.measure.machine.hardware for the datasheet
+    figures.
+    `cpu_features`: the CPU's instruction-set features (bench.measure.machine.env.cpu_info): a CPU without a native dot
     product of the dtype is held to its float32 rate.
     """
     out: dict[str, Any] = {}
@@ -208,7 +209,7 @@ def peak_for(flops_per_s: float | None, dtype: str, device: str, tf32: bool,
                and not any(f in cpu_features for f in NATIVE_DOT[dtype]))
     spec = None
     if device.startswith("cuda") and gpu is not None:
-        from bench.measure.hardware import match_gpu
+        from bench.measure.machine.hardware import match_gpu
 
         spec = match_gpu(*gpu)
     if widened and "float32" in rates:
@@ -279,7 +280,7 @@ def command(device: str, results: Path, quick: bool, dtypes: list[str], console:
     """`bench calibrate`: measure, store under the environment's fingerprint, print what was measured."""
     from rich.table import Table
 
-    from bench.measure.env import capture
+    from bench.measure.machine.env import capture
 
     env = capture(backend=device)
     result = calibrate(device, dtypes, QUICK if quick else Settings())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bench.measure.reference import RowMask, compare
+from bench.measure.oracle.reference import RowMask, compare
 from bench.patterns import Pattern, ScoreMod
 from bench.results.records import ErrorInfo
 

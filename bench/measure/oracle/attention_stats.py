@@ -1,6 +1,6 @@
 """What a case's inputs make of dense attention under its pattern: how concentrated each row's mass is.
 
-Computed from the oracle's float64 weights (`bench.measure.reference.reference_weights`) on the rows the oracle
+Computed from the oracle's float64 weights (`bench.measure.oracle.reference.reference_weights`) on the rows the oracle
 checks (a seeded sample above its size limit), per (batch, head, query row), then summarised over rows. A row's
 top-p% is of the keys its pattern allows it (at least one key), so a causal row near the start is judged
 against its own few keys. Rows with no allowed key are left out.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bench.measure.reference import reference_weights
+from bench.measure.oracle.reference import reference_weights
 from bench.patterns import Pattern
 
 SINK_TOKENS = 4

@@ -169,7 +169,7 @@ def wait_for_quiet(max_s: float, readings: Readings | None = None, window_s: flo
 
 
 def gpu_throttle(device_state: DeviceState | None) -> list[str] | None:
-    """The slowing NVML reasons seen around the timing (bench.measure.nvml.throttle_summary); None off CUDA."""
+    """The slowing NVML reasons seen around the timing (bench.measure.machine.nvml.throttle_summary); None off CUDA."""
     if device_state is None or device_state.throttled is None:
         return None
     reasons = list(device_state.throttle_reasons)

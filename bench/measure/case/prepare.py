@@ -8,9 +8,9 @@ A case is of one of three kinds, decided here once (`kind_of`); a new kind is on
 - plain: the implementation's `prepare` over contiguous q, k, v; the timed step is the call (with its backward
   from the seeded upstream gradient in fwd_bwd);
 - selected (a `selector`, or a selection given to `bench.api.attention`): the case's selection, made once and
-  validated (bench.measure.selected), then `prepare_selected`; the timed step is end to end,
+  validated (bench.measure.case.selected), then `prepare_selected`; the timed step is end to end,
   `attend(selector(q, k))`, with the selector alone and the attention over the fixed selection beside it;
-- paged (a `page_size`): the pool and page table, made once (bench.measure.paged); an implementation that reads a
+- paged (a `page_size`): the pool and page table, made once (bench.measure.case.paged); an implementation that reads a
   page table gets the pool, every other one the pages gathered back into contiguous K/V inside its timed call.
 
 `stage_case` does what does not depend on the implementation (the selection, the pool: shared by the case's
@@ -29,17 +29,16 @@ from torch import Tensor
 from bench import registry
 from bench.errors import Unavailable
 from bench.inputs.paged import PagedKV
-from bench.measure import flops as flop_counts
-from bench.measure.case_cache import CaseCache
-from bench.measure.check import OracleResults, check_against_oracle
-from bench.measure.paged import (
+from bench.measure.case import flops as flop_counts
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.paged import (
     case_paged,
     check_sequences,
     paged_kv_rows,
     prepare_paged_call,
     sequence_patterns,
 )
-from bench.measure.selected import (
+from bench.measure.case.selected import (
     SelectedSteps,
     case_selection,
     check_selected,
@@ -48,7 +47,8 @@ from bench.measure.selected import (
     selection_kv_rows,
     split_output,
 )
-from bench.measure.steps import Phase, Prepared, no_phase, prepare_call, skip_reason, timed_step
+from bench.measure.case.steps import Phase, Prepared, no_phase, prepare_call, skip_reason, timed_step
+from bench.measure.oracle.check import OracleResults, check_against_oracle
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo
 from bench.selection import Selection, SelectorInfo
@@ -84,7 +84,7 @@ class StagedCase:
 
     @property
     def bytes(self) -> int:
-        """The least bytes the call must move (bench.measure.flops.min_bytes)."""
+        """The least bytes the call must move (bench.measure.case.flops.min_bytes)."""
         return flop_counts.min_bytes(self.case, self.kv_rows)
 
 

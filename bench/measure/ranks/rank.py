@@ -1,4 +1,4 @@
-"""One (case, impl) on one rank of a process group, with the steps of `bench.measure.steps`; and the ranks' parts
+"""One (case, impl) on one rank of a process group, with the steps of `bench.measure.case.steps`; and the ranks' parts
 assembled into one Record.
 
 Every rank goes through the same phases in lockstep (inputs, prepare, first call, check, comm, timing, memory),
@@ -31,22 +31,22 @@ from bench import registry
 from bench.comm.communicator import Communicator, use
 from bench.comm.sharding import DistributedImpl, Shard
 from bench.errors import Unavailable
-from bench.measure import flops as flop_counts
-from bench.measure.case_cache import CaseCache
-from bench.measure.check import checked_rows, nonfinite_only, oracle_errors, rows_only
+from bench.measure.case import flops as flop_counts
+from bench.measure.case.case_cache import CaseCache
+from bench.measure.case.prepare import prepare_case, stage_case
+from bench.measure.case.steps import call_inputs, describe_failure, failure_kind, make_inputs, policy_of, skip_reason
 from bench.measure.cold import InputSets, TimedCalls, evictor_for, timing_info
-from bench.measure.contention import ContentionMeter
-from bench.measure.env import device_description
+from bench.measure.machine.contention import ContentionMeter
+from bench.measure.machine.env import device_description
+from bench.measure.machine.topology import node_label, node_of_rank
 from bench.measure.memory import measure_peak
-from bench.measure.numerics import strict_problem
-from bench.measure.prepare import prepare_case, stage_case
-from bench.measure.rank_part import CaseFigures, ExpectedComm, LevelCount, OpCount, RankPart
-from bench.measure.reference import tolerance_for
-from bench.measure.steps import call_inputs, describe_failure, failure_kind, make_inputs, policy_of, skip_reason
+from bench.measure.oracle.check import checked_rows, nonfinite_only, oracle_errors, rows_only
+from bench.measure.oracle.numerics import strict_problem
+from bench.measure.oracle.reference import tolerance_for
+from bench.measure.ranks.rank_part import CaseFigures, ExpectedComm, LevelCount, OpCount, RankPart
 from bench.measure.task import Task
 from bench.measure.timed_check import input_sets
 from bench.measure.timing import CpuTimer, measure
-from bench.measure.topology import node_label, node_of_rank
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo
 from bench.spec.case import Case
@@ -132,7 +132,7 @@ class _RankCase:
 
 def _prepare_and_check(task: Task, case: Case, impl: DistributedImpl, pattern: Pattern, ctx: RankContext,
                        comm: Communicator, phases: _Phases, out: RankPart) -> _RankCase:
-    """Inputs and their other sets, prepare and the first call (bench.measure.prepare, as every caller), the oracle
+    """Inputs and their other sets, prepare and the first call (bench.measure.case.prepare, as every caller), the oracle
     check (gathered to rank 0, uncounted); the timed step."""
     cache = CaseCache(inputs=make_inputs(case))
     q, k, v, grad_out = call_inputs(case, cache.inputs)

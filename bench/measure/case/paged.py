@@ -18,16 +18,16 @@ from torch import Tensor
 from bench import registry
 from bench.errors import Unavailable
 from bench.inputs.paged import PagedKV, kv_lengths, page_kv
-from bench.measure import flops as flop_counts
-from bench.measure.check import nonfinite_only
-from bench.measure.reference import compare, reference_attention, tolerance_for
-from bench.measure.steps import Phase, Prepared, checkpointed, prepare_with
+from bench.measure.case import flops as flop_counts
+from bench.measure.case.steps import Phase, Prepared, checkpointed, prepare_with
+from bench.measure.oracle.check import nonfinite_only
+from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo
 from bench.spec.case import Case
 
 if TYPE_CHECKING:
-    from bench.measure.case_cache import CaseCache
+    from bench.measure.case.case_cache import CaseCache
 
 
 def case_paged(case: Case, k: Tensor, v: Tensor, cache: CaseCache) -> PagedKV:

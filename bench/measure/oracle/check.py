@@ -1,5 +1,6 @@
-"""Correctness of one call: its output (and in fwd_bwd dq, dk, dv) against the float64 oracle (bench.measure.reference),
-on the rows the oracle checks; in one process (`check_against_oracle`) or on rank 0 after gathering (`oracle_errors`).
+"""Correctness of one call: its output (and in fwd_bwd dq, dk, dv) against the float64 oracle
+(bench.measure.oracle.reference), on the rows the oracle checks; in one process (`check_against_oracle`) or on
+rank 0 after gathering (`oracle_errors`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import torch
 from torch import Tensor
 
 from bench import registry
-from bench.measure.numerics import ReferenceErrors, ratio, reference_errors, verdict
-from bench.measure.reference import compare, reference_attention, rows_to_check, tolerance_for
+from bench.measure.oracle.numerics import ReferenceErrors, ratio, reference_errors, verdict
+from bench.measure.oracle.reference import compare, reference_attention, rows_to_check, tolerance_for
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo, GradError
 from bench.spec.case import Case
@@ -23,13 +24,13 @@ GRAD_NAMES = ("dq", "dk", "dv")
 @dataclass
 class OracleResults:
     """The float64 oracle's answers on the checked rows: computed for a case's first implementation, compared with
-    by the rest (bench.measure.case_cache keeps them)."""
+    by the rest (bench.measure.case.case_cache keeps them)."""
 
     out: Tensor | None = None  # (B, H, rows, D) under the case's pattern
     grads: Grads | None = None  # of the checked rows' upstream gradient
     selected_out: tuple[Tensor, Tensor] | None = None  # (output, lse) under a selection's effective mask
     selected_grads: Grads | None = None
-    reference: ReferenceErrors | None = None  # the same-dtype reference's errors (bench.measure.numerics)
+    reference: ReferenceErrors | None = None  # the same-dtype reference's errors (bench.measure.oracle.numerics)
     selected_reference: ReferenceErrors | None = None
 
 
@@ -112,7 +113,7 @@ def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
 
 def with_numerics(error: ErrorInfo, reference: ReferenceErrors | None, dtype: str) -> ErrorInfo:
     """`error` with the output's (and the lse's, where it has one) ratio to the same-dtype reference and the
-    verdict over every tensor (bench.measure.numerics)."""
+    verdict over every tensor (bench.measure.oracle.numerics)."""
     if reference is None:
         return error
     out_ratio = ratio(error.rel_l2, reference.out, dtype)

@@ -1,5 +1,5 @@
-"""One rank's part of a distributed record: what `bench.measure.rank.measure_on_rank` returns on each rank, what
-the rank sends its runner (in bench.run.messages.RankPartDone) and what `bench.measure.rank_record` assembles."""
+"""One rank's part of a distributed record: what `bench.measure.ranks.rank.measure_on_rank` returns on each rank, what
+the rank sends its runner (in bench.run.messages.RankPartDone) and what `bench.measure.ranks.rank_record` assembles."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class RankPart(BaseModel):
     threads: int | None = None
     base: CaseFigures | None = None  # rank 0
     expected: ExpectedComm | None = None  # rank 0
-    node: str | None = None  # this rank's node (bench.measure.topology)
+    node: str | None = None  # this rank's node (bench.measure.machine.topology)
     peers: dict[str, int] = Field(default_factory=dict)  # bytes sent to each peer in one counted step
 
     def failed(self, reason: str, details: str | None, phase: str, comm_error: bool, failure: FailureKind
