@@ -35,7 +35,7 @@ from bench.measure.oracle.check import (
     with_numerics,
 )
 from bench.measure.oracle.numerics import finite_rel_l2, reference_errors
-from bench.measure.oracle.reference import compare, reference_attention_lse, tolerance_for
+from bench.measure.oracle.reference import compare, float64_grads, reference_attention_lse, tolerance_for
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo, SelectionInfo, TimeStats
 from bench.selection import Selection, SelectorInfo, effective_mask, get_selector, run_selector
@@ -110,10 +110,9 @@ def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection:
     g = rows_only(case, grad_out, rows) if grad_out is not None else None
     if backward and oracle.selected_grads is None:
         assert g is not None
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref, _ = reference_attention_lse(q64, k64, v64, pattern, rows, selected)
-        dq, dk, dv = torch.autograd.grad(ref, (q64, k64, v64), g[:, :, rows.to(g.device)].double())
-        oracle.selected_grads = (dq, dk, dv)
+        oracle.selected_grads = float64_grads(q, k, v, g[:, :, rows.to(g.device)],
+                                              lambda a, b, c: reference_attention_lse(a, b, c, pattern, rows,
+                                                                                      selected)[0])
     if oracle.selected_reference is None or (backward and oracle.selected_reference.grads is None):
         oracle.selected_reference = reference_errors(q, k, v, pattern, rows, expected_out, expected_lse, g,
                                                      oracle.selected_grads if backward else None,

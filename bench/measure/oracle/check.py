@@ -12,7 +12,7 @@ from torch import Tensor
 
 from bench import registry
 from bench.measure.oracle.numerics import ReferenceErrors, ratio, reference_errors, verdict
-from bench.measure.oracle.reference import compare, reference_attention, rows_to_check, tolerance_for
+from bench.measure.oracle.reference import compare, float64_grads, reference_attention, rows_to_check, tolerance_for
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo, GradError
 from bench.spec.case import Case
@@ -92,10 +92,8 @@ def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
     backward = grads is not None and g is not None
     if backward and oracle.grads is None:
         assert g is not None
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(q64, k64, v64, pattern, rows, score_mod=case.make_score_mod())
-        dq, dk, dv = torch.autograd.grad(ref, [q64, k64, v64], g[:, :, rows.to(g.device)].double())
-        oracle.grads = (dq, dk, dv)
+        oracle.grads = float64_grads(q, k, v, g[:, :, rows.to(g.device)], lambda a, b, c: reference_attention(
+            a, b, c, pattern, rows, score_mod=case.make_score_mod()))
     if oracle.reference is None or (backward and oracle.reference.grads is None):
         oracle.reference = reference_errors(q, k, v, pattern, rows, oracle.out, None, g if backward else None,
                                             oracle.grads if backward else None, score_mod=case.make_score_mod())

@@ -12,7 +12,7 @@ from bench.measure.case.case_cache import CaseCache
 from bench.measure.case.prepare import StagedCase
 from bench.measure.oracle.check import GRAD_NAMES, Grads, OracleResults, checked_rows, rows_only
 from bench.measure.oracle.fidelity import fidelity
-from bench.measure.oracle.reference import reference_attention
+from bench.measure.oracle.reference import float64_grads, reference_attention
 from bench.patterns import Pattern
 from bench.results.records import FidelityInfo, GradFidelity
 from bench.spec.case import Case
@@ -25,10 +25,8 @@ def dense_grads(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor, g
     if oracle.grads is None:
         rows = checked_rows(case)
         g = rows_only(case, grad_out, rows)
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(q64, k64, v64, pattern, rows, score_mod=case.make_score_mod())
-        dq, dk, dv = torch.autograd.grad(ref, (q64, k64, v64), g[:, :, rows.to(g.device)].double())
-        oracle.grads = (dq, dk, dv)
+        oracle.grads = float64_grads(q, k, v, g[:, :, rows.to(g.device)], lambda a, b, c: reference_attention(
+            a, b, c, pattern, rows, score_mod=case.make_score_mod()))
     return oracle.grads
 
 

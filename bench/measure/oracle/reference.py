@@ -168,6 +168,16 @@ class ErrorStats:
 ELEMENT_EPS = 1e-8
 
 
+def float64_grads(q: Tensor, k: Tensor, v: Tensor, upstream: Tensor,
+                  attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of `attend` (the oracle on float64 copies of q, k, v, over the checked rows) for `upstream`, the
+    upstream gradient of those rows: the one float64 backward the check, a selection's check and the fidelity
+    share."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dq, dk, dv = torch.autograd.grad(attend(q64, k64, v64), (q64, k64, v64), upstream.double())
+    return dq, dk, dv
+
+
 def compare(actual: Tensor, expected: Tensor, tolerance: float) -> ErrorStats:
     """Error of `actual` against the oracle's `expected` (same shape, rows along dim 2)."""
     a = actual.detach().to(torch.float64)
