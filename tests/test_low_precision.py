@@ -112,7 +112,7 @@ def test_low_precision_inference_on_a_band_takes_the_fused_kernel(mode, path):
     # float16: bfloat16 inference goes to blocked's own CPU kernel (tests/test_blocked_kernel.py)
     from bench import registry
     from bench.api import case_for
-    from bench.measure.case.steps import prepare_call
+    from bench.measure.case.steps import set_up_plain
     from impls.blocked.fused import FUSED_ROWS, fused_available
 
     pattern = make_pattern("causal_local", 600, window=100, block_size=16)
@@ -122,7 +122,7 @@ def test_low_precision_inference_on_a_band_takes_the_fused_kernel(mode, path):
         pytest.skip("this torch has no CPU flash kernel")
     if mode == "fwd_bwd":
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-    prepared = prepare_call(registry.get("blocked"), case_for(q, pattern, mode, k), pattern, q, k, v)
+    prepared = set_up_plain(registry.get("blocked"), case_for(q, pattern, mode, k), pattern, q, k, v)
     assert prepared.config is not None and prepared.config["path"] == path
     assert prepared.config["query_block_rows"] == (FUSED_ROWS if mode == "fwd" else 16)
     stats = compare(prepared.first_output, reference_attention(*(t.detach().double() for t in (q, k, v)), pattern),

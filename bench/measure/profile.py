@@ -95,7 +95,7 @@ def profile_command(suite_path: Path, impl_name: str, index: int, out: Path | No
     except Unavailable as exc:
         raise BadInput(f"cannot profile {impl_name}: {exc.reason}", field="--impl") from None
     step = prepared.step
-    for _ in range(WARMUP_CALLS - 1):  # the first call was prepare_call's
+    for _ in range(WARMUP_CALLS - 1):  # the first call was set_up_plain's
         step()
     sync()
     setup_s = time.perf_counter() - t0

@@ -19,7 +19,7 @@ from bench import registry
 from bench.errors import Unavailable
 from bench.inputs.paged import PagedKV, kv_lengths, page_kv
 from bench.measure.case import flops as flop_counts
-from bench.measure.case.steps import Phase, Prepared, checkpointed, prepare_with
+from bench.measure.case.steps import Phase, Prepared, checkpointed, set_up
 from bench.measure.oracle.check import nonfinite_only
 from bench.measure.oracle.reference import compare, reference_attention, tolerance_for
 from bench.patterns import Pattern
@@ -55,13 +55,12 @@ def paged_kv_rows(case: Case, pattern: Pattern, patterns: list[Pattern] | None) 
     return sum(flop_counts.pattern_kv_rows(one, p) for p in patterns)
 
 
-def prepare_paged_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
-                       paged: PagedKV, patterns: list[Pattern] | None, phase: Phase) -> Prepared:
+def set_up_paged(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
+                 paged: PagedKV, patterns: list[Pattern] | None, phase: Phase) -> Prepared:
     """The implementation's call over the paged cache, after its first run. Raises what it raises, and
     Unavailable for sequences of their own lengths on an implementation that takes one pattern."""
     if impl.paged_native(case):
-        return prepare_with(lambda: impl.prepare_paged(case, pattern.fresh(), q, paged, patterns), impl, case,
-                            phase)
+        return set_up(lambda: impl.prepare_paged(case, pattern.fresh(), q, paged, patterns), impl, case, phase)
     if patterns is not None:
         raise Unavailable(f"{impl.name} takes one pattern for the whole batch: sequences of their own lengths "
                           "(kv_lens) need an implementation that reads a page table per sequence")
@@ -78,7 +77,7 @@ def prepare_paged_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Ten
 
         return gathered
 
-    return prepare_with(make, impl, case, phase)
+    return set_up(make, impl, case, phase)
 
 
 def check_sequences(case: Case, impl: registry.Impl, patterns: list[Pattern], q: Tensor, k: Tensor, v: Tensor,

@@ -35,19 +35,19 @@ from bench.measure.case.paged import (
     case_paged,
     check_sequences,
     paged_kv_rows,
-    prepare_paged_call,
     sequence_patterns,
+    set_up_paged,
 )
 from bench.measure.case.selected import (
     SelectedSteps,
     case_selection,
     check_selected,
-    prepare_selected_call,
     selected_steps,
     selection_kv_rows,
+    set_up_selected,
     split_output,
 )
-from bench.measure.case.steps import Phase, Prepared, no_phase, prepare_call, skip_reason, timed_step
+from bench.measure.case.steps import Phase, Prepared, no_phase, set_up_plain, skip_reason, timed_step
 from bench.measure.oracle.check import OracleResults, check_against_oracle
 from bench.patterns import Pattern
 from bench.results.records import ErrorInfo
@@ -174,14 +174,14 @@ def prepare_case(impl: registry.Impl, staged: StagedCase, phase: Phase = no_phas
     q, k, v, grad_out = staged.q, staged.k, staged.v, staged.grad_out
     if staged.kind == "selected":
         assert staged.selection is not None
-        attend, call = prepare_selected_call(impl, case, staged.pattern, q, k, v, staged.selection, phase)
+        attend, call = set_up_selected(impl, case, staged.pattern, q, k, v, staged.selection, phase)
         steps = selected_steps(staged.selector, case, attend, staged.selection, q, k, v, grad_out)
         return PreparedCase(staged, impl, call, steps.end_to_end, steps)
     if staged.kind == "paged":
         assert staged.paged is not None
-        call = prepare_paged_call(impl, case, staged.pattern, q, k, v, staged.paged, staged.patterns, phase)
+        call = set_up_paged(impl, case, staged.pattern, q, k, v, staged.paged, staged.patterns, phase)
         return PreparedCase(staged, impl, call, call.fn)  # paged cases are inference only
-    call = prepare_call(impl, case, staged.pattern, q, k, v, phase)
+    call = set_up_plain(impl, case, staged.pattern, q, k, v, phase)
     return PreparedCase(staged, impl, call, timed_step(call.fn, q, k, v, grad_out, upstream))
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from bench import registry
-from bench.measure.case.steps import Phase, Prepared, prepare_with
+from bench.measure.case.steps import Phase, Prepared, set_up
 from bench.measure.oracle.check import (
     OracleResults,
     checked_rows,
@@ -62,8 +62,8 @@ def split_output(result: Any) -> tuple[Any, Tensor | None]:
     return result, None
 
 
-def prepare_selected_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
-                          selection: Selection, phase: Phase) -> tuple[Callable[[Selection], Any], Prepared]:
+def set_up_selected(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
+                    selection: Selection, phase: Phase) -> tuple[Callable[[Selection], Any], Prepared]:
     """(attend, the Prepared of attend over the fixed selection after its first call). Raises what they raise."""
     made: list[Callable[[Selection], Any]] = []
 
@@ -71,7 +71,7 @@ def prepare_selected_call(impl: registry.Impl, case: Case, pattern: Pattern, q: 
         made.append(impl.prepare_selected(case, pattern.fresh(), q, k, v))
         return lambda: made[0](selection)
 
-    prepared = prepare_with(make, impl, case, phase)
+    prepared = set_up(make, impl, case, phase)
     attend = made[0]
     return attend, Prepared(lambda: split_output(attend(selection))[0], prepared.first_output, prepared.setup_s,
                             prepared.setup, prepared.config)

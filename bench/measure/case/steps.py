@@ -97,7 +97,7 @@ class Prepared:
         return getattr(self.fn, "refresh_inputs", None)
 
 
-def prepare_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
+def set_up_plain(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
                  phase: Phase = no_phase) -> Prepared:
     """`impl.prepare` (untimed setup) and the first call; the implementation's marked phases timed apart.
 
@@ -109,7 +109,7 @@ def prepare_call(impl: registry.Impl, case: Case, pattern: Pattern, q: Tensor, k
         fn = impl.prepare(case, pattern.fresh(), q, k, v)
         return with_refresh(checkpointed(fn), fn) if case.checkpoint else fn
 
-    return prepare_with(make, impl, case, phase)
+    return set_up(make, impl, case, phase)
 
 
 def with_refresh(wrapper: Callable[[], Any], fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -120,8 +120,8 @@ def with_refresh(wrapper: Callable[[], Any], fn: Callable[[], Any]) -> Callable[
     return wrapper
 
 
-def prepare_with(make: Callable[[], Callable[[], Any]], impl: registry.Impl, case: Case, phase: Phase = no_phase
-                 ) -> Prepared:
+def set_up(make: Callable[[], Callable[[], Any]], impl: registry.Impl, case: Case, phase: Phase = no_phase
+           ) -> Prepared:
     """The Prepared of the call `make()` returns (its untimed setup), after the call's first run: the setup
     phases the implementation marks (`setup_phase`) timed apart. Raises what they raise."""
     clock = SetupClock()
