@@ -49,13 +49,14 @@ def test_the_summary_fits_the_width_and_keeps_every_cell_whole(width, terminal):
 
 @pytest.mark.parametrize("width", [80, 100, 200])
 def test_compare_keeps_every_column_at_any_width(tmp_path, capsys, monkeypatch, width):
-    """The case column folds; ratio, interval, p, q and verdict are never cut or dropped."""
+    """The case column folds; ratio, interval, p, q and verdict are never cut or dropped (the table of every pair,
+    --all; the default output counts advisory verdicts instead)."""
     from bench.cli import main
     from tests.test_compare import _mixed_scenario
 
     base, new = _mixed_scenario(tmp_path)
     monkeypatch.setenv("COLUMNS", str(width))
-    main(["compare", str(base), str(new)])
+    main(["compare", str(base), str(new), "--all"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert all(cell_len(ln) <= width for ln in lines if ln[:1] in "┏┃┡│└├") and "…" not in out
