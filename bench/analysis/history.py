@@ -37,7 +37,15 @@ from bench.analysis.steps import Segment, fit_levels, significant_steps
 from bench.console.format import format_seconds
 from bench.errors import BadInput
 from bench.measure.timing import median_ci95
-from bench.results.index import ORDINARY, committed_run_dirs, load_index, run_commit, run_fingerprint, run_kind
+from bench.results.index import (
+    ORDINARY,
+    StoreIndex,
+    committed_run_dirs,
+    load_index,
+    run_commit,
+    run_fingerprint,
+    run_kind,
+)
 from bench.results.store import Run
 
 
@@ -208,9 +216,9 @@ def step_ranges(steps: list[Step], show_all: bool = False) -> list[str]:
     return lines
 
 
-def history_runs(results: Path, include_uncommitted: bool) -> tuple[list[Run], list[str]]:
-    """The runs a history is built from, and what was left out (one line per reason)."""
-    index = load_index(results)
+def history_runs(index: StoreIndex, include_uncommitted: bool) -> tuple[list[Run], list[str]]:
+    """The runs of the store a history is built from, and what was left out (one line per reason)."""
+    results = index.root
     runs, left_out = index.runs, []
     committed = None if include_uncommitted else committed_run_dirs(results)
     if committed is not None:
@@ -232,7 +240,7 @@ def history_command(results: Path, suite: str | None, *, threshold_pct: float, a
     index = load_index(results)
     if suite is not None and suite not in index.suites():
         raise BadInput(f"got {suite!r}; suites in {results}: {', '.join(index.suites()) or 'none'}", field="SUITE")
-    runs, left_out = history_runs(results, include_uncommitted)
+    runs, left_out = history_runs(index, include_uncommitted)
     series = build_history(runs, suite, threshold=threshold_pct / 100)
     if as_json:
         print(json.dumps(history_json(series), indent=2))

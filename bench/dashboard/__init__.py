@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from bench.dashboard.render import DashboardResult, build_dashboard
-from bench.errors import BadInput
 from bench.results.index import load_index, load_runs
+from bench.results.store import check_output_dir
 
 __all__ = ["DashboardResult", "build_dashboard", "dashboard_command"]
 
@@ -23,12 +23,7 @@ __all__ = ["DashboardResult", "build_dashboard", "dashboard_command"]
 def dashboard_command(run_dirs: Sequence[str], out: Path, results: Path, console: Console) -> int:
     """Render the given run directories (default: every run in `results`) into `out` (made if missing, in an
     existing directory, as `bench export -o` and `bench run --out` ask)."""
-    if out.exists() and not out.is_dir():
-        raise BadInput("exists and is not a directory; -o is the directory the pages go in", file=str(out),
-                       field="-o")
-    if not out.exists() and not out.parent.is_dir():
-        raise BadInput(f"its parent {out.parent} does not exist; give an existing directory or one to make in an "
-                       "existing directory", file=str(out), field="-o")
+    check_output_dir(out, "-o", "the directory the pages go in")
     runs = load_runs(Path(p) for p in run_dirs) if run_dirs else load_index(results).runs
     result = build_dashboard(runs, out)
     for warning in (w for run in runs for w in run.warnings):

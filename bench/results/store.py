@@ -65,6 +65,16 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def check_output_dir(out: Path, option: str, holds: str) -> None:
+    """An output directory a command will make if missing: a directory, or one to make in an existing directory (a
+    mistyped path is refused rather than made with every missing parent). `holds`: what goes in it, for the message."""
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"exists and is not a directory; {option} is {holds}", file=str(out), field=option)
+    if not out.exists() and not out.parent.is_dir():
+        raise BadInput(f"its parent {out.parent} does not exist; give an existing directory or one to make in an "
+                       "existing directory", file=str(out), field=option)
+
+
 def create_run_dir(root: Path, suite_name: str, commit: str) -> tuple[str, Path]:
     """Make `root/<UTC yyyymmddTHHMMSS>-<short commit>-<suite>` atomically; a taken id waits for the next second.
 

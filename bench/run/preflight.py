@@ -19,21 +19,16 @@ from bench import registry
 from bench.errors import BadInput
 from bench.measure.case.steps import skip_reason
 from bench.measure.memory_model import does_not_fit
-from bench.results.store import RUN_JSON
+from bench.results.store import RUN_JSON, check_output_dir
 from bench.run.identity import check_run_id
 from bench.run.tasks import Pair, resolved
+from bench.spec.case import resolve_device
 from bench.spec.suite import Suite
 
 
 def check_out(out: Path) -> None:
-    """The results root: a directory, or one that can be made in an existing directory (a mistyped path is
-    refused rather than made with every missing parent)."""
-    if out.exists() and not out.is_dir():
-        raise BadInput("exists and is not a directory; --out is the results root that run directories go in",
-                       file=str(out), field="--out")
-    if not out.exists() and not out.parent.is_dir():
-        raise BadInput(f"its parent {out.parent} does not exist; give an existing directory or one to make in an "
-                       "existing directory", file=str(out), field="--out")
+    """`--out`: the results root, made if missing in an existing directory."""
+    check_output_dir(out, "--out", "the results root that run directories go in")
 
 
 def check_new_run_id(out: Path, run_id: str) -> Path:
@@ -69,8 +64,6 @@ def plan_pairs(pairs: list[Pair], device: str | None) -> list[Planned]:
 def print_preflight(console: Console, suite: Suite, impls: list[str], planned: list[Planned], *,
                     device: str | None, already: int, resume: Path | None, shard_pairs: int | None,
                     added: list[str]) -> None:
-    from bench.spec.case import resolve_device
-
     table = Table(title=f"suite {suite.name}: {len(suite.cases)} cases x {len(impls)} implementations")
     table.add_column("#", justify="right")
     table.add_column("case_id", no_wrap=True)

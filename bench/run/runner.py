@@ -119,10 +119,10 @@ def run(options: RunOptions, console: Console, on_record: Callable[[Record], Non
     # Everything a run may refuse, refused before anything is written, and the same under --dry-run
     simulated_ranks_per_node()  # a bad BENCH_RANKS_PER_NODE
     check_out(options.out)
-    if options.run_id is not None:
+    if options.run_id is not None and options.shard is None:  # a plain run makes a new run of its id
+        check_new_run_id(options.out, options.run_id)
+    elif options.run_id is not None:  # shards join the run of their id
         check_run_id(options.run_id)
-        if options.shard is None:  # shards join the run of their id; a plain run makes a new one
-            check_new_run_id(options.out, options.run_id)
     if options.resume is not None:
         _check_resume_target(options, suite)
     if options.dry_run:
