@@ -61,7 +61,8 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     `selection`: attend only over the key units a selector chose (bench.selection), a `Selection` or its indices
     int32 (B, H_sel, query units, K) with `q_unit`, `kv_unit` (1, a number of keys, or row/token, block, page)
     and `shared`; `pattern` is then the base pattern. `score_mod` (softcap, alibi, relative_bias or a registered
-    name) modifies the scaled scores before the mask, with its case fields as keywords (`softcap=50.0`). Raises
+    name) modifies the scaled scores before the mask, with its case fields as keywords (`softcap=50.0`); other case
+    fields are keywords too (`sinks="learned"` or one logit per query head, `budget`). Raises
     `bench.errors.Unavailable` with the reason when the implementation cannot run here or this case, ValueError
     for a bad selection or score modification.
     """
@@ -94,6 +95,8 @@ def with_score_mod(case: Case, score_mod: str | None, fields: dict[str, Any]) ->
     problems = score_mod_case_problems(case)
     if problems:
         raise ValueError(f"{problems[0][0]}: {problems[0][1]}")
+    if case.sinks_problem():
+        raise ValueError(f"sinks: {case.sinks_problem()}")
     return case
 
 

@@ -120,6 +120,9 @@ class Impl:
     # Score modifications it applies (bench.patterns.score_mods): built-in names, and "custom" for any registered
     # FlexAttention score_mod. The others are a skip with the reason (`unsupported_score_mod`).
     score_mods: ClassVar[frozenset[str]] = frozenset()
+    # Applies a case's learned `sinks` (one logit per query head joining each row's softmax). Sinks merge through
+    # the row's log-sum-exp, so only an implementation that has one can; the others skip with that reason.
+    applies_sinks: ClassVar[bool] = False
 
     def unavailable(self) -> str | None:
         """Why this implementation cannot run on this machine at all (no GPU, no triton, ...), or None."""
@@ -149,6 +152,9 @@ class Impl:
             return f"{self.name} needs world_size > 1"
         if self.max_seq_len is not None and case.seq_len > self.max_seq_len:
             return f"{self.name} is limited to seq_len <= {self.max_seq_len} (got {case.seq_len})"
+        if case.sinks is not None and not self.applies_sinks:
+            return (f"{self.name} does not apply learned sinks: a sink joins each row's softmax through the row's "
+                    f"log-sum-exp, which {self.name} does not compute")
         if case.score_mod != "none":
             return self.unsupported_score_mod(case)
         return None

@@ -40,6 +40,16 @@ def masked_lse_softmax(scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return probs, lse
 
 
+def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> Tensor:
+    """`out` (B, H, Nq, D) with the case's sink logits (H,) joined to each row's softmax (value vector zero):
+    out * sigmoid(lse - sink), lse the row's log-sum-exp over its keys (-inf on an empty row, which stays 0).
+    Written apart from the oracle's on purpose: an implementation never shares the oracle's code."""
+    if sinks is None:
+        return out
+    gate = torch.sigmoid(lse.float() - sinks.to(device=lse.device, dtype=torch.float32)[None, :, None])
+    return (out.float() * gate.unsqueeze(-1)).to(out.dtype)
+
+
 def masked_softmax_(scores: Tensor, mask: Tensor) -> Tensor:
     """In-place `masked_softmax` for inference: no second score-sized buffer."""
     scores.masked_fill_(~mask, -math.inf)

@@ -12,6 +12,7 @@ from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
 from impls.common import (
     accum_dtype,
+    apply_sinks,
     masked_lse_softmax,
     masked_softmax,
     masked_softmax_,
@@ -28,6 +29,7 @@ class Dense(Impl):
     fwd_bwd = True
     score_mods = frozenset({"softcap", "alibi", "relative_bias", "custom"})  # applied in torch on the scores
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    applies_sinks = True  # through the log-sum-exp of the materialised scores
 
     def memory_bytes(self, case):
         # the (N, N) bool mask and the float32 (B, H, N, N) scores; low precision also holds float32 copies of
@@ -49,11 +51,17 @@ class Dense(Impl):
         hkv, n = k.shape[1], k.shape[2]
         modify = score_mod_fn(case, q.device, acc)
         i, j = positions(case, q.device)
+        sinks = case.sink_logits()
 
         def call():
             grouped = q.reshape(b, hkv, h // hkv * nq, d)  # (B, Hkv, G*Nq, D)
             # scores in the accumulation dtype: bfloat16 scores round a logit of 30 by 0.1 (a weight by 10%)
             scores = (grouped.to(acc) @ k.to(acc).transpose(-1, -2)).view(b, h, nq, n)  # (B, H, Nq, N)
+            if sinks is not None:  # the sinks need the rows' log-sum-exp
+                scaled = scores * scale
+                probs, lse = masked_lse_softmax(scaled if modify is None else modify(scaled, i, j), mask)
+                out = (probs.to(v.dtype).view(b, hkv, -1, n) @ v).view(b, h, nq, d)
+                return apply_sinks(out, lse, sinks).to(q.dtype)
             if modify is not None:  # on the scaled scores, before the mask
                 probs = masked_softmax(modify(scores * scale, i, j), mask)
                 return (probs.to(v.dtype).view(b, hkv, -1, n) @ v).view(b, h, nq, d).to(q.dtype)
@@ -73,13 +81,14 @@ class Dense(Impl):
         acc = accum_dtype(q.dtype)
         b, h, nq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
+        sinks = case.sink_logits()
 
         def attend(selection):
             mask = selection.dense_mask(base, h, hkv)  # (B, H, Nq, N)
             grouped = q.reshape(b, hkv, h // hkv * nq, d)
             scores = (grouped.to(acc) @ k.to(acc).transpose(-1, -2)).view(b, h, nq, n) * scale
             probs, lse = masked_lse_softmax(scores, mask)  # lse (B, H, Nq); -inf on rows without a key
-            out = probs.to(v.dtype).view(b, hkv, -1, n) @ v
-            return out.view(b, h, nq, d).to(q.dtype), lse
+            out = (probs.to(v.dtype).view(b, hkv, -1, n) @ v).view(b, h, nq, d)
+            return apply_sinks(out, lse, sinks).to(q.dtype), lse
 
         return attend

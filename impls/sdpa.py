@@ -24,8 +24,14 @@ class Sdpa(Impl):
     # additive ones through a float mask (the bias, -inf where the pattern disallows); SDPA takes no score function
     score_mods = frozenset({"alibi", "relative_bias"})
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    # SDPA returns no log-sum-exp: a sink is one more key instead, of zero key and value, whose logit the float
+    # mask sets to the head's sink (`with_sink_key`)
+    applies_sinks = True
 
     def memory_bytes(self, case):
+        if case.sinks is not None:  # the float (B or 1, H, Nq, N + 1) mask, K and V one key longer
+            extra = 2 * case.batch * case.n_kv_heads * (case.seq_len + 1) * case.head_dim * case.element_bytes
+            return case.score_bytes(case.element_bytes) + extra
         if case.selector is not None:  # the effective (B, H, Nq, N) bool mask, and the math path's float scores
             return case.score_bytes(1) + case.score_bytes()
         if case.score_mod != "none":  # and the float (H, Nq, N) bias mask
@@ -41,6 +47,8 @@ class Sdpa(Impl):
         return reason
 
     def prepare(self, case, pattern, q, k, v):
+        if case.sinks is not None:
+            return self._prepare_sinks(case, pattern, q, k, v)
         with setup_phase("mask"):
             mask = pattern.dense_mask().to(q.device)  # (Nq, N), True = attend
             bias = case.make_score_mod()
@@ -66,11 +74,34 @@ class Sdpa(Impl):
 
         return call
 
+    def _prepare_sinks(self, case, pattern, q, k, v):
+        """Sinks as a key: every row's softmax includes the sink key, so no row is empty and none needs zeroing."""
+        with setup_phase("mask"):
+            mask = with_sink_key(pattern.dense_mask().to(q.device)[None, None], case, q.dtype)  # (1, H, Nq, N+1)
+            bias = case.make_score_mod()
+            if bias is not None:  # an additive score_mod beside the sinks: on the keys' columns
+                i, j = positions(case, torch.device("cpu"))
+                mask[0, :, :, :-1] += bias.bias(case.heads, i[:, 0], j[0], q.dtype).to(q.device)
+        gqa = k.shape[1] != q.shape[1]
+
+        def call():
+            k1, v1 = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))  # the zero key and value, inside the call: both
+            return F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, enable_gqa=gqa)  # change each call
+
+        return call
+
     def prepare_selected(self, case, pattern, q, k, v):
         """Attention over a selection: SDPA with the effective (B, H, q_len, N) boolean mask."""
         with setup_phase("mask"):
             base = pattern.dense_mask().to(q.device)  # (Nq, N)
         h, hkv = q.shape[1], k.shape[1]
+        if case.sinks is not None:
+            def attend_with_sinks(selection):
+                mask = with_sink_key(selection.dense_mask(base, h, hkv), case, q.dtype)
+                k1, v1 = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
+                return F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, enable_gqa=h != hkv)
+
+            return attend_with_sinks
 
         def attend(selection):
             mask = selection.dense_mask(base, h, hkv)  # (B, H, Nq, N)
@@ -79,3 +110,14 @@ class Sdpa(Impl):
             return out.nan_to_num(0.0) * mask.any(dim=-1, keepdim=True).to(q.dtype)
 
         return attend
+
+
+def with_sink_key(allowed: torch.Tensor, case, dtype: torch.dtype) -> torch.Tensor:
+    """The float mask (B or 1, H, Nq, N + 1) of `allowed` (B or 1, H or 1, Nq, N) bool with one more key whose
+    additive term is the head's sink logit: 0 where allowed, -inf elsewhere, the sink in the last column."""
+    sinks = case.sink_logits().to(device=allowed.device, dtype=dtype)
+    b, _, nq, n = allowed.shape
+    mask = torch.zeros(b, case.heads, nq, n + 1, dtype=dtype, device=allowed.device)
+    mask[..., :n].masked_fill_(~allowed, float("-inf"))
+    mask[..., n] = sinks[:, None]
+    return mask

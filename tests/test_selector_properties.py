@@ -25,7 +25,7 @@ def allowed_mask(case: Case, name: str) -> torch.Tensor:
     return units_module.allowed_units(case.make_pattern(), info.q_unit_size(case), info.kv_unit_size(case))
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", ["moba", "quest", "nsa", "dsa"])
+@pytest.mark.parametrize("name", ["moba", "quest", "nsa", "dsa", "msa"])
 def test_a_budget_of_everything_selects_what_the_pattern_allows(name: str, shape: str) -> None:
     for budget in (1.0, 10_000):
         case = make_case(shape, name, budget=budget)
@@ -50,7 +50,7 @@ def test_xattention_threshold_one_keeps_every_block_with_a_score(shape: str) -> 
         zero += unit.allowed[1] and unit.scores[1] == 0 and 1 not in unit.forced
     assert zero > 0 or shape == "local_mqa_q23"  # its window never reaches block 1 from a later query block
 
-@pytest.mark.parametrize("name", ["moba", "quest", "nsa"])
+@pytest.mark.parametrize("name", ["moba", "quest", "nsa", "msa"])
 def test_own_unit_is_forced_even_when_it_scores_lowest(name: str) -> None:
     """Keys of the row's own unit point away from every query: it scores lowest, and is kept all the same."""
     case = make_case("causal_gqa_ragged", name, budget=2)
@@ -84,6 +84,7 @@ def test_registration_says_units_and_sharing(name: str) -> None:
     info = get_selector(name)
     expected = {"moba": ("row", "block", "head", "budget"), "quest": ("row", "page", "head", "budget"),
                 "nsa": ("row", "block", "kv_group", "budget"), "dsa": ("row", "token", "all", "budget"),
+                "msa": ("row", "block", "kv_group", "budget"),
                 "xattention": ("block", "block", "head", "threshold")}[name]
     assert (info.q_unit, info.kv_unit, info.shared, info.takes) == expected
     assert not info.reference

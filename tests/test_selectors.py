@@ -1,4 +1,4 @@
-"""The built-in fast selectors (moba, quest, nsa, dsa, xattention) against slow, literal re-statements of their
+"""The built-in fast selectors (moba, quest, nsa, dsa, msa, xattention) against slow, literal re-statements of their
 methods (loops over rows, heads and units, float64), on random and structured inputs and odd shapes.
 
 Each literal statement is written from the paper's and reference code's description (docs/selectors.md), not
@@ -24,7 +24,7 @@ from bench.selection.dsa import indexer_weights
 from bench.selection.xattention import tile_stride
 from bench.spec.case import Case
 
-FAST = ("moba", "quest", "nsa", "dsa", "xattention")
+FAST = ("moba", "quest", "nsa", "dsa", "msa", "xattention")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -210,6 +210,28 @@ def literal_dsa(q: torch.Tensor, k: torch.Tensor, case: Case) -> dict[tuple[int,
     return out
 
 
+def literal_msa(q: torch.Tensor, k: torch.Tensor, case: Case) -> dict[tuple[int, int, int], Unit]:
+    """MSA: a key's score is the summed q . k of the KV group's query heads; a block's, the max over the keys the
+    base pattern lets the row see; own block then the one before forced; top budget."""
+    bs, n, offset = case.block_size, case.seq_len, case.seq_len - case.n_queries
+    group = case.heads // case.n_kv_heads
+    allowed, mask = literal_row_units(case, bs), base_mask(case)
+    out = {}
+    for b in range(case.batch):
+        for g in range(case.n_kv_heads):
+            for r in range(case.n_queries):
+                scores = []
+                for c in range(len(allowed[r])):
+                    seen = [j for j in range(c * bs, min(n, (c + 1) * bs)) if mask[r, j]]
+                    per_key = [sum(float(q[b, h, r].double() @ k[b, g, j].double())
+                                   for h in range(g * group, (g + 1) * group)) for j in seen]
+                    scores.append(max(per_key) if per_key else 0.0)  # a block it sees none of: not allowed
+                own = (r + offset) // bs
+                forced = [c for c in (own, own - 1) if c >= 0 and allowed[r][c]]
+                out[b, g, r] = Unit(scores, allowed[r], forced, literal_count(case.budget, sum(allowed[r])))
+    return out
+
+
 def literal_xattention(q: torch.Tensor, k: torch.Tensor, case: Case) -> dict[tuple[int, int, int], Unit]:
     """xattn_estimate: per strided query row, a softmax over the key tiles it may see of the antidiagonal sums
     sum_i q[rS + S-1-i] . k[sS + i] / (sqrt(D) S); summed per (query block, key block); first and diagonal block
@@ -252,7 +274,7 @@ def literal_xattention(q: torch.Tensor, k: torch.Tensor, case: Case) -> dict[tup
 
 
 LITERAL = {"moba": literal_moba, "quest": literal_quest, "nsa": literal_nsa, "dsa": literal_dsa,
-           "xattention": literal_xattention}
+           "msa": literal_msa, "xattention": literal_xattention}
 
 
 # --- matching ----------------------------------------------------------------------------------------------------
@@ -305,11 +327,11 @@ def assert_threshold(indices: torch.Tensor, literal: dict[tuple[int, int, int], 
 
 # --- against the literal statements ----------------------------------------------------------------------------
 
-BUDGETS = {"moba": (3, 0.5), "quest": (2, 0.25), "nsa": (4, 0.6), "dsa": (9, 0.3)}
+BUDGETS = {"moba": (3, 0.5), "quest": (2, 0.25), "nsa": (4, 0.6), "dsa": (9, 0.3), "msa": (3, 0.4)}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", ["moba", "quest", "nsa", "dsa"])
+@pytest.mark.parametrize("name", ["moba", "quest", "nsa", "dsa", "msa"])
 def test_budget_selectors_match_literal(name: str, shape: str) -> None:
     for i, budget in enumerate(BUDGETS[name]):
         for kind in ("random", "structured"):

@@ -86,7 +86,7 @@ def topk_indices(scores: Tensor, counts: Tensor) -> Tensor:
     return torch.where(keep, top.indices, -1).to(torch.int32)
 
 
-# --- shared by the fast selectors (bench.selection.moba, quest, nsa, dsa, xattention) ---------------------------
+# --- shared by the fast selectors (bench.selection.moba, quest, nsa, dsa, msa, xattention) ---------------------------
 
 # float32 scores a fast selector holds at once (B * heads * rows * key units): 256 MiB
 SCORE_ELEMENTS = 1 << 26

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+from torch import Tensor
 
 from bench.inputs import InputsShape, InputsSpec
 from bench.models.spec import BUILTIN_MODELS, TaskSpec, TrainSpec, model_label, model_sha256
@@ -25,8 +27,17 @@ LATER_FIELDS: dict[str, Any] = {"kv_heads": None, "q_len": None, "documents": No
                                 "image_width": None, "cp_layout": "contiguous", "ulysses_degree": None,
                                 "inputs": "random", "selector": None, "budget": None, "threshold": None,
                                 "page_size": None, "kv_lens": None, "score_mod": "none", "softcap": None,
-                                "model": None, "task": None, "samples": 100, "layers": None, "train": None}
+                                "model": None, "task": None, "samples": 100, "layers": None, "train": None,
+                                "sinks": None}
 CP_LAYOUTS = ("contiguous", "zigzag")
+
+
+class OracleTerms(TypedDict):
+    """What the oracle applies beyond the pattern (`Case.oracle_terms`), as keywords of its functions."""
+
+    score_mod: ScoreMod | None
+    sinks: Tensor | None
+
 RANDOM_INPUTS = InputsSpec()  # frozen: one shared default
 
 
@@ -78,13 +89,16 @@ class Case:
     samples: int = 100
     layers: tuple[int, ...] | None = None
     train: TrainSpec | None = None
+    # learned attention sinks (gpt-oss, DeepSeek-V4): one logit per query head joining every row's softmax with a
+    # zero value vector; `learned` (seeded N(0, 1)) or the logits themselves
+    sinks: str | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None and not isinstance(self.task, TaskSpec):
             object.__setattr__(self, "task", TaskSpec.parse(self.task))
         if isinstance(self.train, dict):
             object.__setattr__(self, "train", TrainSpec.model_validate(self.train))
-        for name in ("documents", "kv_lens", "layers"):  # frozen and hashable: lengths as a tuple
+        for name in ("documents", "kv_lens", "layers", "sinks"):  # frozen and hashable: lists as tuples
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.softcap, int) and not isinstance(self.softcap, bool):  # 50 and 50.0: one id
@@ -99,7 +113,7 @@ class Case:
     def params(self) -> dict[str, Any]:
         """Every case field, in declaration order (the record's `params`); document lengths as a list."""
         out = asdict(self)
-        for name in ("documents", "kv_lens", "layers"):
+        for name in ("documents", "kv_lens", "layers", "sinks"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
         out["inputs"] = self.inputs.to_param()
@@ -159,6 +173,31 @@ class Case:
         return make_score_mod(self.score_mod, heads=self.heads, seq_len=self.seq_len, q_len=self.q_len,
                               seed=self.seed, softcap=self.softcap, **fields)
 
+    def sink_logits(self) -> Tensor | None:
+        """float64 (H,): the case's sink logit per query head (`learned`: drawn from N(0, 1) with the case's seed),
+        or None without sinks."""
+        if self.sinks is None:
+            return None
+        if self.sinks == "learned":
+            return torch.randn(self.heads, generator=torch.Generator().manual_seed(self.seed * 7_727 + 1),
+                               dtype=torch.float64)
+        return torch.tensor([float(x) for x in self.sinks], dtype=torch.float64)
+
+    def sinks_problem(self) -> str | None:
+        """What is wrong with `sinks` (a list of another length than heads, a non-finite logit), or None."""
+        if self.sinks is None or self.sinks == "learned":
+            return None
+        if isinstance(self.sinks, str):
+            return f"got sinks {self.sinks!r}; sinks is `learned` or a list of one logit per query head"
+        if len(self.sinks) != self.heads or not all(math.isfinite(float(x)) for x in self.sinks):
+            return (f"got {len(self.sinks)} sink logits with heads {self.heads}; sinks is `learned` or one finite "
+                    "logit per query head")
+        return None
+
+    def oracle_terms(self) -> OracleTerms:
+        """What the oracle applies beyond the pattern, as keywords of its functions: the score_mod and the sinks."""
+        return {"score_mod": self.make_score_mod(), "sinks": self.sink_logits()}
+
     def score_mod_label(self) -> str:
         """`softcap50`, `alibi`, `relative_bias`, a custom name ('' for none)."""
         if self.score_mod == "softcap" and self.softcap is not None:
@@ -206,6 +245,8 @@ class Case:
             parts.append(f"pg{self.page_size}" + ("-ragged" if self.kv_lens is not None else ""))
         if self.score_mod_label():
             parts.append(self.score_mod_label().replace("_", ""))
+        if self.sinks is not None:
+            parts.append("sinks")
         if self.model is not None:
             parts.append(self.model_label().replace(" ", "-"))
         parts.append(digest)
@@ -227,6 +268,7 @@ class Case:
         if self.page_size is not None:
             selection += f" pages of {self.page_size}" + (" ragged" if self.kv_lens is not None else "")
         selection += f" {self.score_mod_label()}" if self.score_mod_label() else ""
+        selection += " sinks" if self.sinks is not None else ""
         selection += f" {self.model_label()}" if self.model is not None else ""
         return (f"{self.pattern_label()} N={self.seq_len}{q} B{self.batch}H{self.heads}{kv}D{self.head_dim} "
                 f"{_DTYPE_SHORT[self.dtype]} {self.mode}{extra}{world}{inputs}{selection}")

@@ -108,6 +108,9 @@ def check_case(case: Case, origin: dict[str, str], file: str) -> None:
         _check_paging(case, bad)
     for name, message in score_mod_problems(case):
         raise bad(message, name)
+    sinks_problem = case.sinks_problem()
+    if sinks_problem:
+        raise bad(sinks_problem, "sinks")
     if case.model is not None:
         _check_model(case, bad)
     if case.inputs.kind == "file":

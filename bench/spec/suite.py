@@ -83,6 +83,8 @@ CASE_FIELD_TYPES: dict[str, Any] = {
     "samples": _Pos,
     "layers": Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None,
     "train": dict[str, Any] | None,
+    # learned sinks: `learned`, or one finite logit per query head (length checked against heads)
+    "sinks": Literal["learned"] | Annotated[list[StrictFloat | StrictInt], Field(min_length=1)] | None,
 }
 assert set(CASE_FIELD_TYPES) == set(Case.field_names()), "suite schema out of step with Case"
 

@@ -88,7 +88,8 @@ def check_sequences(case: Case, impl: registry.Impl, patterns: list[Pattern], q:
     if not full:
         return nonfinite_only(out, tol)
     expected = torch.cat([reference_attention(q[b : b + 1].detach(), k[b : b + 1, :, : p.seq_len].detach(),
-                                              v[b : b + 1, :, : p.seq_len].detach(), p)
+                                              v[b : b + 1, :, : p.seq_len].detach(), p,
+                                              sinks=case.sink_logits())
                           for b, p in enumerate(patterns)])
     stats = compare(out.detach(), expected, tol)
     error = ErrorInfo(max_abs=stats.max_abs, rel_l2=stats.rel_l2, max_rel=stats.max_rel, tolerance=tol,

@@ -87,6 +87,7 @@ def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection:
         return nonfinite_only(out, tol)
     rows = checked_rows(case)
     heads, kv_heads = case.heads, case.n_kv_heads
+    sinks = case.sink_logits()
 
     def selected(r: Tensor) -> Tensor:
         return effective_mask(selection, pattern, r, heads, kv_heads)
@@ -94,7 +95,7 @@ def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection:
     if oracle.selected_out is None:
         with torch.no_grad():
             oracle.selected_out = reference_attention_lse(q.detach(), k.detach(), v.detach(), pattern, rows,
-                                                          selected)
+                                                          selected, sinks=sinks)
     expected_out, expected_lse = oracle.selected_out
     stats = compare(out.detach()[:, :, rows.to(out.device)], expected_out, tol)
     problem = None if stats.passed else (f"output has {stats.nonfinite} NaN/Inf values" if stats.nonfinite else
@@ -112,11 +113,11 @@ def check_selected(case: Case, impl: registry.Impl, pattern: Pattern, selection:
         assert g is not None
         oracle.selected_grads = float64_grads(q, k, v, g[:, :, rows.to(g.device)],
                                               lambda a, b, c: reference_attention_lse(a, b, c, pattern, rows,
-                                                                                      selected)[0])
+                                                                                      selected, sinks=sinks)[0])
     if oracle.selected_reference is None or (backward and oracle.selected_reference.grads is None):
         oracle.selected_reference = reference_errors(q, k, v, pattern, rows, expected_out, expected_lse, g,
                                                      oracle.selected_grads if backward else None,
-                                                     extra_mask=selected)
+                                                     extra_mask=selected, sinks=sinks)
     grad_info = None
     if backward:
         assert g is not None and oracle.selected_grads is not None

@@ -85,7 +85,7 @@ def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
     if oracle.out is None:
         with torch.no_grad():
             oracle.out = reference_attention(q.detach(), k.detach(), v.detach(), pattern, rows,
-                                             score_mod=case.make_score_mod())
+                                             **case.oracle_terms())
     stats = compare(out.detach()[:, :, rows.to(out.device)], oracle.out, tol)
     problem = None if stats.passed else _problem("output", stats.rel_l2, tol, stats.nonfinite)
     grad_info = None
@@ -93,10 +93,10 @@ def oracle_errors(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor,
     if backward and oracle.grads is None:
         assert g is not None
         oracle.grads = float64_grads(q, k, v, g[:, :, rows.to(g.device)], lambda a, b, c: reference_attention(
-            a, b, c, pattern, rows, score_mod=case.make_score_mod()))
+            a, b, c, pattern, rows, **case.oracle_terms()))
     if oracle.reference is None or (backward and oracle.reference.grads is None):
         oracle.reference = reference_errors(q, k, v, pattern, rows, oracle.out, None, g if backward else None,
-                                            oracle.grads if backward else None, score_mod=case.make_score_mod())
+                                            oracle.grads if backward else None, **case.oracle_terms())
     if backward:
         assert grads is not None and oracle.grads is not None
         grad_info, grad_problem = grad_errors(grads, oracle.grads, tol, reference=oracle.reference,

@@ -26,7 +26,7 @@ def dense_grads(case: Case, pattern: Pattern, q: Tensor, k: Tensor, v: Tensor, g
         rows = checked_rows(case)
         g = rows_only(case, grad_out, rows)
         oracle.grads = float64_grads(q, k, v, g[:, :, rows.to(g.device)], lambda a, b, c: reference_attention(
-            a, b, c, pattern, rows, score_mod=case.make_score_mod()))
+            a, b, c, pattern, rows, **case.oracle_terms()))
     return oracle.grads
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bench.measure.oracle.reference import RowMask, compare
+from bench.measure.oracle.reference import RowMask, compare, with_sinks
 from bench.patterns import Pattern, ScoreMod
 from bench.results.records import ErrorInfo
 
@@ -44,8 +44,8 @@ class ReferenceErrors:
 
 
 def same_dtype_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor,
-                         extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None
-                         ) -> tuple[Tensor, Tensor]:
+                         extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None,
+                         sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(output (B, H, rows, D), lse (B, H, rows)) of eager attention in q's dtype on query `rows`, differentiable;
     rows without keys give zeros and lse -inf."""
     b, h, _, d = q.shape
@@ -67,9 +67,11 @@ def same_dtype_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows
         if mod is not None:
             scores = mod.apply(scores, heads, (r + (pattern.seq_len - pattern.q_len))[:, None], keys[None, :])
         scores = scores.masked_fill(~mask, -math.inf)
-        lses.append(torch.logsumexp(scores, dim=-1))
+        lse = torch.logsumexp(scores, dim=-1)
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row without keys: zeros
-        outs.append(torch.matmul(weights.reshape(b, hkv, group * c, n), v).view(b, h, c, d))
+        out = torch.matmul(weights.reshape(b, hkv, group * c, n), v).view(b, h, c, d)
+        outs.append(with_sinks(out, lse, sinks))
+        lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
@@ -87,14 +89,15 @@ def finite_rel_l2(actual: Tensor, expected: Tensor) -> float | None:
 def reference_errors(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor, oracle_out: Tensor,
                      oracle_lse: Tensor | None = None, g: Tensor | None = None,
                      oracle_grads: tuple[Tensor, Tensor, Tensor] | None = None,
-                     extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None) -> ReferenceErrors:
+                     extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None,
+                     sinks: Tensor | None = None) -> ReferenceErrors:
     """The same-dtype reference's errors against the oracle's answers on the checked rows (`g`: the upstream
     gradient of the whole output, zero off the checked rows, as the oracle's gradients take it)."""
     backward = g is not None and oracle_grads is not None
     ql, kl, vl = (t.detach().clone().requires_grad_(backward) for t in (q, k, v))
     leaves = (ql, kl, vl)
     with torch.set_grad_enabled(backward):
-        out, lse = same_dtype_attention(ql, kl, vl, pattern, rows, extra_mask, score_mod)
+        out, lse = same_dtype_attention(ql, kl, vl, pattern, rows, extra_mask, score_mod, sinks)
     out_err = compare(out.detach(), oracle_out, 1.0).rel_l2
     lse_err = finite_rel_l2(lse, oracle_lse) if oracle_lse is not None else None
     grad_errs = None

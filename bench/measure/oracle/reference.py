@@ -120,20 +120,32 @@ def reference_weights(q: Tensor, k: Tensor, pattern: Pattern, rows: Tensor | Non
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None,
-                        extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None) -> Tensor:
+                        extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None,
+                        sinks: Tensor | None = None) -> Tensor:
     """Attention in float64 for query `rows` (default: all): (B, H, len(rows), D).
 
     q (B, H, q_len, D), k and v (B, Hkv, seq_len, D) of any float dtype and device, query head h reading KV
     head h // (H / Hkv); the result is float64 on the same device. A query row with no allowed key gives
-    zeros. Differentiable with respect to q, k, v (dk, dv summed over each KV head's query group).
+    zeros. Differentiable with respect to q, k, v (dk, dv summed over each KV head's query group). `sinks` (H,):
+    one logit per query head joining each row's softmax with a zero value vector (`with_sinks`).
     """
-    return reference_attention_lse(q, k, v, pattern, rows, extra_mask, score_mod)[0]
+    return reference_attention_lse(q, k, v, pattern, rows, extra_mask, score_mod, sinks)[0]
+
+
+def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> Tensor:
+    """`out` (B, H, rows, D) with one sink logit per query head (H,) joined to each row's softmax, its value
+    vector zero: out * sigmoid(lse - sink), lse the row's log-sum-exp without the sink (an empty row stays 0)."""
+    if sinks is None:
+        return out
+    sink = sinks.to(device=lse.device, dtype=lse.dtype)[None, :, None]
+    return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
 
 
 def reference_attention_lse(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, rows: Tensor | None = None,
-                            extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None
-                            ) -> tuple[Tensor, Tensor]:
-    """(`reference_attention`'s output, its log-sum-exp (B, H, len(rows)) in float64, -inf for empty rows)."""
+                            extra_mask: RowMask | None = None, score_mod: ScoreMod | None = None,
+                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(`reference_attention`'s output, its log-sum-exp (B, H, len(rows)) in float64, -inf for empty rows; with
+    `sinks` the output has them and the log-sum-exp is still that of the row's own keys)."""
     check_shapes(q, k, v, pattern)
     b, h, _, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
@@ -142,7 +154,8 @@ def reference_attention_lse(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, r
     outs, lses = [], []
     for r, weights, lse in reference_chunks(q, k, pattern, rows, extra_mask, score_mod):
         c = len(r)
-        outs.append(torch.matmul(weights.reshape(b, hkv, group * c, n), v64).view(b, h, c, d))
+        out = torch.matmul(weights.reshape(b, hkv, group * c, n), v64).view(b, h, c, d)
+        outs.append(with_sinks(out, lse, sinks))
         lses.append(lse)
     if not outs:
         return q.double().new_zeros(b, h, 0, d), q.double().new_zeros(b, h, 0)
