@@ -54,3 +54,29 @@ def test_a_failed_build_is_tried_once_per_machine_and_source_not_once_per_proces
     with pytest.raises(RuntimeError):
         kernel.build_extension(source, "broken_kernel")
     assert len(calls) == 2
+
+
+def test_a_library_built_with_this_torch_is_loaded_not_rebuilt_from_another_environment(tmp_path, monkeypatch):
+    """torch's builder rebuilds when its ninja file names another virtual environment's include paths; a library
+    stamped with the same torch version, ABI and flags is loaded as it is, and another stamp builds again."""
+    import torch
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "fine.cpp"
+    source.write_text("// a kernel\n")
+    builds, loads = [], []
+
+    def fake_build(**kwargs):
+        builds.append(kwargs["name"])
+        (tmp_path / "ext" / kwargs["name"] / f"{kwargs['name']}.so").write_bytes(b"library")
+        return "built"
+
+    monkeypatch.setattr(cpp, "load", fake_build)
+    monkeypatch.setattr(kernel, "_load_library", lambda name, library: loads.append(library) or "loaded")
+    assert kernel.build_extension(source, "fine_kernel") == "built"
+    assert kernel.build_extension(source, "fine_kernel") == "loaded"  # another process, another venv
+    assert len(builds) == 1 and loads[0].name.endswith(".so")
+    monkeypatch.setattr(torch, "__version__", "0.0.0-another")
+    assert kernel.build_extension(source, "fine_kernel") == "built"
+    assert len(builds) == 2

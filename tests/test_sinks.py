@@ -94,7 +94,22 @@ def test_implementations_apply_sinks_forward_and_backward(impl: str, shape) -> N
     assert not torch.allclose(api.attention(impl, q, k, v, pattern).detach(), out.detach(), atol=1e-3)
 
 
-@pytest.mark.parametrize("impl", ["dense", "sdpa"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_blocked_applies_sinks_in_its_kernels(shape) -> None:
+    """Inference through the block kernel (the decode kernel at q_len 1) with its log-sum-exp; its torch-op steps
+    keep none, so a backward is Unavailable with that reason."""
+    _, name, n, nq, h, hkv, docs = shape
+    q, k, v = inputs(h, hkv, n, nq)
+    pattern = make_pattern(name, n, q_len=nq, documents=docs, window=8)
+    sinks = [0.3 * i - 1.0 for i in range(h)]
+    out = api.attention("blocked", q, k, v, pattern, sinks=sinks, block_size=16)
+    expected = reference_attention(q, k, v, pattern, sinks=torch.tensor(sinks, dtype=torch.float64))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(Unavailable, match="torch-op steps for a static pattern keep none"):
+        api.attention("blocked", *(t.requires_grad_() for t in (q, k, v)), pattern, sinks=sinks, block_size=16)
+
+
+@pytest.mark.parametrize("impl", ["dense", "sdpa", "blocked"])
 def test_sinks_over_a_selection(impl: str) -> None:
     h, hkv, n = 4, 2, 48
     q, k, v = inputs(h, hkv, n, n)
@@ -111,6 +126,16 @@ def test_sinks_over_a_selection(impl: str) -> None:
 
     expected, _ = reference_attention_lse(q, k, v, pattern, extra_mask=chosen, sinks=sinks)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    # and backward (blocked: its gathered steps, whose log-sum-exp is differentiable)
+    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    out = api.attention(impl, *leaves, pattern, selection, sinks=sinks.tolist(), block_size=16)
+    g = torch.randn_like(out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in leaves)
+    expected, _ = reference_attention_lse(q64, k64, v64, pattern, extra_mask=chosen, sinks=sinks)
+    got = torch.autograd.grad(out, leaves, g)
+    want = torch.autograd.grad(expected, (q64, k64, v64), g.double())
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
 
 
 def test_an_implementation_without_a_log_sum_exp_skips_with_the_reason() -> None:

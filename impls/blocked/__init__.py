@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from bench.errors import Unavailable
 from bench.registry import Impl, register, setup_phase
 from bench.selection import TakesSelections
 from bench.spec.case import DTYPES
@@ -38,7 +39,7 @@ from impls.blocked.kernel import (
     block_table,
     dot_tile_rows,
     gemm_engine,
-    kernel_attention,
+    kernel_attention_lse,
     kernel_attention_tables,
     kernel_module,
     kernel_products,
@@ -50,7 +51,7 @@ from impls.blocked.pages import page_rows_attention, page_rows_unavailable, toke
 from impls.blocked.plan import BandPlan, GatherPlan, make_plan
 from impls.blocked.selected import base_slots, gathered_attention, head_tables, tasks_of
 from impls.blocked.tokens import rows_as_sequences_unavailable, token_attention, token_rows_attention
-from impls.common import softmax_scale
+from impls.common import apply_sinks, softmax_scale
 
 
 def _computed(shown, table: BlockTable | None, case, pattern, q, n: int, group: int,
@@ -72,11 +73,18 @@ class Blocked(Impl):
     fwd_bwd = True
     score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # in the CPU kernel only (unsupported_score_mod)
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
+    applies_sinks = True  # through its kernels' log-sum-exp, where they run (`unsupported`)
 
     def build_ahead(self, devices):
         if "cpu" in devices:  # both C++ kernels; each is cached per machine and loads in a second once built
             kernel_module()
             decode_module()
+
+    def unsupported(self, case):
+        reason = super().unsupported(case)
+        if reason is None and case.sinks is not None and case.page_size is not None:
+            reason = "blocked does not apply learned sinks over a paged cache yet"
+        return reason
 
     def unsupported_score_mod(self, case):
         reason = super().unsupported_score_mod(case)
@@ -92,6 +100,7 @@ class Blocked(Impl):
         group = h // hkv
         scale = softmax_scale(case.head_dim)
         mod = kernel_score_mod(case)  # None without one; the decode kernel applies none: the block kernel does
+        sinks = case.sink_logits()
         # decode: K/V read in place (impls/blocked/decode.py)
         decode_missing: str | None = None  # why the decode kernel, wanted for this case, cannot run it
         if nq <= DECODE_ROWS and case.mode == "fwd" and mod is None:
@@ -101,7 +110,7 @@ class Blocked(Impl):
                 with setup_phase("mask"):
                     plan = pattern_plan(pattern.dense_mask(), b * hkv, case.block_size)
                 self._extras = self._decode_extras(case, plan, pattern)
-                return lambda: decode_attention(plan, q, k, v, scale)[0]
+                return lambda: apply_sinks(*decode_attention(plan, q, k, v, scale), sinks)
             decode_missing = missing if self.decode_ready(case) else None
         table: BlockTable | None = None  # inference through the CPU kernel (`kernel`): the pattern's block table
         kernel_missing: str | None = None  # why the kernel, wanted, cannot run
@@ -120,6 +129,10 @@ class Blocked(Impl):
                     wide = plan if plan.rows >= FUSED_ROWS else \
                         make_plan(pattern, FUSED_ROWS, b * hkv, group, scale, q.device, q.dtype)
                     fused = wide if isinstance(wide, BandPlan) else None  # wider blocks may fit the gather plan
+        if sinks is not None and table is None and kernel_missing is None:
+            raise Unavailable("blocked applies learned sinks through its kernels' log-sum-exp (inference in float32 "
+                              "and bfloat16 on CPU, and every path over a selection); its torch-op steps for a "
+                              "static pattern keep none")
         shown = table if table is not None else fused if fused is not None else plan
         self._extras = {"path": "band_fused" if shown is fused else shown.path,
                         "gemm": gemm_engine(q.dtype, kernel=shown is table),
@@ -134,7 +147,8 @@ class Blocked(Impl):
             grouped = q.reshape(b * hkv, group, nq, d)
             keys, values = (t.reshape(b * hkv, n, d) for t in (k, v))
             if table is not None:
-                return kernel_attention(table, grouped, keys, values, scale, mod=mod).reshape(q.shape)
+                out, lse = kernel_attention_lse(table, grouped, keys, values, scale, mod=mod)
+                return apply_sinks(out.reshape(q.shape), lse.reshape(b, h, nq), sinks)
             return blocked_attention(plan, grouped, keys, values, fused).reshape(q.shape)
 
         return call
@@ -146,11 +160,11 @@ class Blocked(Impl):
         if kernel_missing is not None:
             self._extras["kernel_unavailable"] = kernel_missing
             self._extras["fallback"] = {"path": self._extras["path"], "reason": f"the CPU kernel: {kernel_missing}"}
-            if kernel_score_mod(case) is not None:
-                from bench.errors import Unavailable
-
-                raise Unavailable(f"blocked applies score_mod {case.score_mod} in its CPU kernel only, which cannot "
-                                  f"run here: {kernel_missing}")
+            needs = (f"score_mod {case.score_mod}" if kernel_score_mod(case) is not None else
+                     "learned sinks" if case.sinks is not None else None)
+            if needs is not None:
+                raise Unavailable(f"blocked applies {needs} in its CPU kernel only, which cannot run here: "
+                                  f"{kernel_missing}")
 
     def _decode_extras(self, case, plan, pattern) -> dict[str, object]:
         listed = plan.listed_keys // max(1, plan.blocks.shape[0])
@@ -214,7 +228,7 @@ class Blocked(Impl):
         bs = case.block_size
         scale = softmax_scale(case.head_dim)
         if self.decode_ready(case) and decode_unavailable(q, case.mode) is None:
-            return self._decode_selected(case, pattern, q, k, v)
+            return with_sinks_of(case, self._decode_selected(case, pattern, q, k, v))
         kernel_missing: str | None = "mode fwd_bwd: the kernel is inference only"
         if case.mode == "fwd" and kernel_wanted(q.dtype, q.device):
             with setup_phase("compile"):
@@ -259,7 +273,7 @@ class Blocked(Impl):
             out, lse = kernel_attention_tables(tables, tiles, keys, values, scale, group if per_query_head else 1)
             return out.reshape(q.shape), lse.reshape(b, h, nq)
 
-        return attend
+        return with_sinks_of(case, attend)
 
     def _decode_selected(self, case, pattern, q, k, v):
         """A few query rows over a selection: the decode kernel, each (sequence, KV head) through its mask."""
@@ -278,3 +292,17 @@ class Blocked(Impl):
 
     def record_extras(self) -> dict[str, object]:
         return dict(self._extras)
+
+
+def with_sinks_of(case, attend):
+    """`attend(selection) -> (out, lse)` with the case's sinks applied to out (every path over a selection returns
+    the rows' log-sum-exp); `attend` itself without sinks."""
+    sinks = case.sink_logits()
+    if sinks is None:
+        return attend
+
+    def attend_with_sinks(selection):
+        out, lse = attend(selection)
+        return apply_sinks(out, lse, sinks), lse
+
+    return attend_with_sinks

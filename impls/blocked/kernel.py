@@ -104,7 +104,7 @@ def build_extension(source: Path, stem: str) -> Any:
     # A failed build is kept beside the builds: every later process (each worker of a run, each run) reads it instead
     # of failing the same way again after a minute; deleting the file tries again.
     failed = build_dir.parent / f"{name}.failed"
-    stamp = f"torch {torch.__version__}, flags {' '.join(flags)}\n"
+    stamp = f"torch {torch.__version__}, C++11 ABI {int(torch._C._GLIBCXX_USE_CXX11_ABI)}, flags {' '.join(flags)}\n"
     with open(build_dir.parent / f"{name}.flock", "w") as baton:
         fcntl.flock(baton, fcntl.LOCK_EX)
         if failed.is_file() and failed.read_text().startswith(stamp):
@@ -113,14 +113,34 @@ def build_extension(source: Path, stem: str) -> Any:
         (build_dir / "lock").unlink(missing_ok=True)
         if not staged.exists() or staged.read_bytes() != text:
             staged.write_bytes(text)
+        # A library built from this source with this torch and these flags is loaded as it is: torch's builder
+        # would rebuild it for another virtual environment (its ninja file names that environment's include
+        # paths), though the headers of one torch version are the same everywhere.
+        built, library = build_dir / "built-with", build_dir / f"{name}.so"
+        if library.is_file() and built.is_file() and built.read_text() == stamp:
+            return _load_library(name, library)
         # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it the kernel ran on one
         # thread. It links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
         try:
-            return load(name=name, sources=[str(staged)], build_directory=str(build_dir),
-                        extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+            module = load(name=name, sources=[str(staged)], build_directory=str(build_dir),
+                          extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:
             failed.write_text(stamp + str(exc))
             raise
+        built.write_text(stamp)
+        return module
+
+
+def _load_library(name: str, library: Path) -> Any:
+    """The Python module of an extension library already built (what torch's loader does after a build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{library} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _build() -> Any:
@@ -327,15 +347,20 @@ def kernel_attention(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: 
 
     own_pairs: bfloat16 operands packed by the kernel's own VNNI code even where oneDNN has a packer (a test
     compares the two layouts). `mod`: a score modification of the scaled scores, applied before the masks."""
+    return kernel_attention_lse(table, q, k, v, scale, own_pairs, mod)[0]
+
+
+def kernel_attention_lse(table: BlockTable, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                         own_pairs: bool = False, mod: KernelScoreMod | None = None) -> tuple[Tensor, Tensor]:
+    """`kernel_attention`'s output and the rows' log-sum-exp (B*Hkv, G, q_len) float32, -inf on empty rows."""
     module = kernel_module()
     assert module is not None, "kernel_attention needs the built kernel (see unavailable_reason)"
     mod = mod or _NO_MOD
-    out, _ = module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index[None],
+    return module.block_attention(q.contiguous(), k.contiguous(), v.contiguous(), table.kv_index[None],
                                     table.kv_count[None], table.mask_slot[None], table.masks, scale, table.block,
                                     own_pairs, 1, _NO_BITS, 0, mod.softcap,
                                     _NO_BIAS if mod.dist_bias is None else mod.dist_bias, mod.q_offset,
                                     dot_tiles_allowed(q.dtype), widened(q.dtype))
-    return out
 
 
 _NO_BITS = torch.empty(0, dtype=torch.int64)
