@@ -40,7 +40,12 @@ def run_bench(*args: str, cwd: Path | None = None, timeout: float = 600, env: di
 
 
 def write_suite(directory: Path, content: dict | str, name: str = "suite.yaml") -> Path:
+    """A suite file from a dict (or YAML text). A dict's memory is read in the worker unless it says otherwise:
+    the default, a fresh process per pair, doubles a small run's time, and the tests of what a fresh process
+    measures (tests/test_memory.py, test_prepare_case.py) ask for it by name."""
     path = directory / name
+    if isinstance(content, dict) and isinstance(content.get("measure", {}), dict):
+        content = {**content, "measure": {"memory": "worker", **content.get("measure", {})}}
     path.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
     return path
 

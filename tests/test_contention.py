@@ -149,7 +149,7 @@ def test_busy_records_are_marked_in_the_table_and_counted():
 SPIN = "while True: pass"
 
 
-@pytest.mark.parametrize("busy", [2, 4])
+@pytest.mark.parametrize("busy", [2])  # as many spinners as CI's cores: more adds time, not another verdict
 def test_a_run_beside_busy_processes_marks_its_pairs_busy(tmp_path, busy):
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
     try:
@@ -157,7 +157,7 @@ def test_a_run_beside_busy_processes_marks_its_pairs_busy(tmp_path, busy):
             "name": "contention", "impls": ["dense", "cp_ring"],  # one pair in the worker, one over 2 ranks
             "defaults": {"heads": 2, "head_dim": 32, "seq_len": 256, "device": "cpu"},
             "sweep": {"world_size": [1, 2]},
-            "measure": {"warmup": 1, "repeat": 5, "max_time_s": 0.2, "memory": "worker", "check": False,
+            "measure": {"warmup": 1, "repeat": 5, "max_time_s": 0.05, "memory": "worker", "check": False,
                         "wait_for_quiet_s": 0.5}})
         proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"), env={"COLUMNS": "200"})
     finally:

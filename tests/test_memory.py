@@ -138,7 +138,8 @@ def _peaks(tmp, impls: list[str], defaults: dict, seq_lens: list[int]) -> dict[s
         "name": "memory-laws", "impls": impls,
         "defaults": {"pattern": "local", "window": 64, "device": "cpu", **defaults},
         "sweep": {"seq_len": seq_lens},
-        "measure": {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 300, "check": False},
+        "measure": {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 300, "check": False,
+                    "memory": "fresh"},
     })
     proc = run_bench("run", str(suite), "--out", str(tmp / "results"), env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -205,7 +206,8 @@ def test_an_earlier_case_does_not_move_the_figure(tmp_path):
                      "seq_len": 4096},
         "sweeps": [{"defaults": {"seed": 0}, "sweep": {}}, {"defaults": {"seq_len": 16384}, "sweep": {}},
                    {"defaults": {"seed": 1}, "sweep": {}}],
-        "measure": {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 300, "check": False},
+        "measure": {"warmup": 0, "repeat": 1, "max_time_s": 0.01, "timeout_s": 300, "check": False,
+                    "memory": "fresh"},
     })
     proc = run_bench("run", str(suite), "--out", str(tmp_path / "results"), env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -22,7 +22,7 @@ from tests.conftest import only_run_dir, read_jsonl, run_bench, write_suite
 
 def task_for(case: Case, impl: str, check: bool = True) -> Task:
     return Task.of(case, impl,
-                {"warmup": 1, "repeat": 3, "max_time_s": 0.01, "check": check})
+                {"warmup": 0, "repeat": 2, "max_time_s": 0.01, "check": check})
 
 
 def test_bytes_follow_the_shapes_exactly():

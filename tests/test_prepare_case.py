@@ -27,7 +27,7 @@ SHAPE = {"heads": 2, "head_dim": 16, "seq_len": 256, "block_size": 64, "pattern"
 SUITE = {"name": "traced", "impls": ["traced"], "plugins": [str(PLUGINS / "traced.py")],
          "sweeps": [{"defaults": {**SHAPE, "selector": "traced_first_blocks"}, "sweep": {}},
                     {"defaults": {**SHAPE, "q_len": 1, "page_size": 16}, "sweep": {}}],
-         "measure": {"warmup": 0, "repeat": 2, "max_time_s": 0.01, "timeout_s": 120}}
+         "measure": {"warmup": 0, "repeat": 2, "max_time_s": 0.01, "timeout_s": 120, "memory": "fresh"}}
 
 
 def _events(trace: Path) -> Counter:

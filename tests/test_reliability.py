@@ -12,7 +12,7 @@ from pathlib import Path
 from bench.results.store import load_run
 from tests.conftest import ROOT, bench_cmd, read_jsonl, write_suite
 
-KILLS = 25  # random kill moments over one run; each costs a start of `bench run` (about 1.5 s here)
+KILLS = 12  # random kill moments over one run; each costs a start of `bench run` (about 1.5 s here)
 
 
 def quick_suite(name: str, seq_lens: list[int]) -> dict:
@@ -52,7 +52,7 @@ def test_sigkilled_at_random_moments_then_resumed_nothing_is_lost(tmp_path):
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and proc.poll() is None and not list(results.glob("*/run.json")):
                 time.sleep(0.02)
-        time.sleep(rng.uniform(0.05, 2.5))
+        time.sleep(rng.uniform(0.05, 2.0))
         if proc.poll() is None:
             proc.kill()
             kills += 1
