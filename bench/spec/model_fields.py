@@ -71,9 +71,10 @@ def _task(values: dict[str, Any], where: Any, file: str, base_dir: Path) -> Task
     task = values.get("task")
     if task is None:
         builtin = BUILTIN_MODELS.get(values["model"])
-        if builtin is None:
-            raise BadInput("a model directory has no task of its own: set task ({text: FILE} or {tokens: FILE}, "
-                           "or a built-in task: mqar)", file=file, field=where("model"))
+        if builtin is None or builtin.task is None:
+            what = "a model directory" if builtin is None else f"the model {builtin.name}"
+            raise BadInput(f"{what} has no task of its own: set task ({{text: FILE}} or {{tokens: FILE}}, or a "
+                           "built-in task: mqar)", file=file, field=where("model"))
         return TaskSpec(kind=builtin.task)
     try:
         return resolve_task(TaskSpec.parse(task), base_dir)

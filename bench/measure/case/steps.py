@@ -18,6 +18,7 @@ from torch import Tensor
 from bench import inputs, registry
 from bench.inputs import CaseInputs
 from bench.measure.timing import TimingPolicy
+from bench.models.spec import weights_unavailable
 from bench.patterns import Pattern
 from bench.registry import SetupClock
 from bench.results.records import FailureKind, SetupTimes
@@ -44,6 +45,8 @@ def skip_reason(impl: registry.Impl, case: Case) -> str | None:
     if reason is None and case.selector is not None:
         info = get_selector(case.selector)
         reason = impl.unsupported_selection(case, info.q_unit, info.kv_unit, info.shared)
+    if reason is None and case.model is not None:
+        reason = weights_unavailable(case.model)
     return reason
 
 

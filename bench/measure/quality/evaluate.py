@@ -18,7 +18,7 @@ from torch import Tensor
 from bench.errors import Unavailable
 from bench.measure.quality.metrics import kl_divergence, min_detectable_loss, summary_of
 from bench.measure.quality.swap import swapping
-from bench.models.spec import TaskSpec, model_directory, model_sha256
+from bench.models.spec import TaskSpec, model_sha256, pretrained_source
 from bench.models.tasks import Samples, make_samples
 from bench.results.quality_records import QualityInfo
 from bench.spec.case import Case
@@ -31,8 +31,9 @@ def load_model(model: str, dtype: str, device: str) -> Any:
     """A Hugging Face causal LM from its local directory (never downloaded), in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    loaded: Any = AutoModelForCausalLM.from_pretrained(str(model_directory(model)), local_files_only=True,
-                                                       dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    source, extra = pretrained_source(model)  # a GGUF file's quantized weights are dequantized to `dtype`
+    loaded: Any = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=getattr(torch, dtype),
+                                                       attn_implementation="sdpa", **extra)
     return loaded.to(device).eval()
 
 
