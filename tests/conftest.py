@@ -40,12 +40,13 @@ def run_bench(*args: str, cwd: Path | None = None, timeout: float = 600, env: di
 
 
 def write_suite(directory: Path, content: dict | str, name: str = "suite.yaml") -> Path:
-    """A suite file from a dict (or YAML text). A dict's memory is read in the worker unless it says otherwise:
-    the default, a fresh process per pair, doubles a small run's time, and the tests of what a fresh process
-    measures (tests/test_memory.py, test_prepare_case.py) ask for it by name."""
+    """A suite file from a dict (or YAML text). Unless a dict's `measure` says otherwise, memory is read in the
+    worker and sampling stops after 50 ms (past `repeat` samples): the defaults, a fresh process per pair and up to
+    2 s of sampling until the median is known to 1%, make a small run several times slower, and the tests of what
+    they do (tests/test_memory.py, test_prepare_case.py, test_timing.py) ask for them by name."""
     path = directory / name
     if isinstance(content, dict) and isinstance(content.get("measure", {}), dict):
-        content = {**content, "measure": {"memory": "worker", **content.get("measure", {})}}
+        content = {**content, "measure": {"memory": "worker", "max_time_s": 0.05, **content.get("measure", {})}}
     path.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
     return path
 
