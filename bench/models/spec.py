@@ -152,7 +152,7 @@ def gguf_path(builtin: BuiltinModel) -> Path | None:
     return next((path for path in found if path.is_file()), None)
 
 
-def pretrained_source(model: str) -> tuple[str, dict[str, Any]]:
+def pretrained_source(model: str) -> tuple[str, dict[str, str]]:
     """(directory, keyword arguments) of transformers' from_pretrained for the model's weights and tokenizer:
     a GGUF built-in's package directory and `gguf_file`, else the model's directory. ModelSpecError where a
     built-in's package is missing."""
