@@ -158,3 +158,21 @@ def test_bad_sinks_are_refused_naming_the_field() -> None:
     suite["defaults"]["sinks"] = "yes"
     with pytest.raises(BadInput, match="sinks"):
         parse_suite(suite, file="<dict>")
+
+
+def test_a_suite_with_sinks_checks_every_timed_call_and_skips_the_others(tmp_path) -> None:
+    """Through the harness: the first call's and the timed calls' outputs against the oracle with the sinks (a
+    harness that forgot them would find dense `incorrect`), csr skipped with the reason."""
+    suite = {"name": "sinks", "impls": ["dense", "sdpa", "csr"],
+             "defaults": {"heads": 4, "kv_heads": 2, "head_dim": 16, "seq_len": 96, "pattern": "causal",
+                          "sinks": "learned", "device": "cpu"},
+             "sweep": {"mode": ["fwd", "fwd_bwd"]},
+             "measure": {"warmup": 0, "repeat": 3, "max_time_s": 0.01, "memory": "worker"}}
+    records = {(r.impl, r.params["mode"]): r for r in api.run(suite, tmp_path / "results", quiet=True)}
+    for impl in ("dense", "sdpa"):
+        for mode in ("fwd", "fwd_bwd"):
+            r = records[impl, mode]
+            assert r.status == "ok", (impl, mode, r.reason)
+            assert r.timing is not None and r.timing.checked_calls >= 2 and r.params["sinks"] == "learned"
+            assert "-sinks-" in r.case_id
+    assert records["csr", "fwd"].status == "skipped" and "log-sum-exp" in (records["csr", "fwd"].reason or "")
