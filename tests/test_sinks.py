@@ -5,6 +5,7 @@ implementation without a log-sum-exp skips with that reason; bad sinks are refus
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -107,6 +108,22 @@ def test_blocked_applies_sinks_in_its_kernels(shape) -> None:
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(Unavailable, match="torch-op steps for a static pattern keep none"):
         api.attention("blocked", *(t.requires_grad_() for t in (q, k, v)), pattern, sinks=sinks, block_size=16)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_the_triton_kernel_applies_sinks_in_inference(shape) -> None:
+    """Through the forward kernel's base-2 log-sum-exp (on CPU in the Triton interpreter); a backward is refused."""
+    if importlib.util.find_spec("triton") is None:  # not imported here: the implementation sets its interpreter up
+        pytest.skip("triton is not installed")
+    _, name, n, nq, h, hkv, docs = shape
+    q, k, v = inputs(h, hkv, n, nq)
+    pattern = make_pattern(name, n, q_len=nq, documents=docs, window=8)
+    sinks = [0.3 * i - 1.0 for i in range(h)]
+    out = api.attention("triton_block_sparse", q, k, v, pattern, sinks=sinks, block_size=16)
+    expected = reference_attention(q, k, v, pattern, sinks=torch.tensor(sinks, dtype=torch.float64))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(Unavailable, match="inference only"):
+        api.attention("triton_block_sparse", *(t.requires_grad_() for t in (q, k, v)), pattern, sinks=sinks)
 
 
 @pytest.mark.parametrize("impl", ["dense", "sdpa", "blocked"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from bench.registry import Impl, register
+from impls.common import apply_sinks
 from impls.triton_block_sparse import decode, launch, mode
 from impls.triton_block_sparse.score_mods import mod_args
 
@@ -15,6 +16,7 @@ class TritonBlockSparse(Impl):
     description = "Triton block-sparse FlashAttention-2 (tile lookup table); on CPU via the Triton interpreter"
     fwd_bwd = True
     score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # in the kernels, forward and backward
+    applies_sinks = True  # in inference, through the forward kernel's log-sum-exp (`unsupported`)
 
     def __init__(self) -> None:
         self._extras: dict[str, object] = {}
@@ -28,6 +30,9 @@ class TritonBlockSparse(Impl):
         reason = super().unsupported(case)
         if reason:
             return reason
+        if case.sinks is not None and case.mode == "fwd_bwd":
+            return (f"{self.name} applies learned sinks in inference only: its backward kernels take no gradient "
+                    "of the log-sum-exp the sinks merge through")
         if not launch.MIN_HEAD_DIM <= case.head_dim <= launch.MAX_HEAD_DIM:
             return (f"{self.name} supports head_dim {launch.MIN_HEAD_DIM}..{launch.MAX_HEAD_DIM} "
                     f"(got {case.head_dim})")
@@ -49,6 +54,11 @@ class TritonBlockSparse(Impl):
     def prepare(self, case, pattern, q, k, v):
         needs_grad = any(t.requires_grad for t in (q, k, v))
         mod = mod_args(case, q.device)
+        sinks = case.sink_logits()
+        if sinks is not None:  # through the forward kernel's log-sum-exp (inference only: `unsupported`)
+            plan = launch.plan_attention(pattern, q, k, v, False, mod)
+            self._extras = plan.describe()
+            return lambda: apply_sinks(*launch.forward_with_lse(q, k, v, plan), sinks)
         if decode.takes(pattern, q, k, needs_grad, mod):  # a few query rows over a long cache: split the keys
             split = decode.plan_decode(pattern, q, k, v, mod)
             self._extras = split.describe()

@@ -328,6 +328,15 @@ def run_dq(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tens
     return dq
 
 
+def forward_with_lse(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor]:
+    """Inference: (o (B, H, Nq, D), the rows' natural log-sum-exp (B, H, Nq) float32, -inf on rows without a key),
+    what learned sinks merge through."""
+    with _on_device(q):
+        o, lse2 = run_forward(q, k, v, plan.fwd, plan.mod)
+    lse = torch.where(torch.isinf(lse2), -math.inf, lse2 * math.log(2.0))  # the kernel's rows without keys: +inf
+    return o, lse.view(q.shape[0], q.shape[1], q.shape[2])
+
+
 class BlockSparseAttention(torch.autograd.Function):
     """Differentiable block-sparse attention: forward saves O and the LSE, backward runs the two passes."""
 
