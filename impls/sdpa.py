@@ -85,8 +85,9 @@ class Sdpa(Impl):
         gqa = k.shape[1] != q.shape[1]
 
         def call():
-            k1, v1 = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))  # the zero key and value, inside the call: both
-            return F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, enable_gqa=gqa)  # change each call
+            # K and V with the sink's zero key and value appended, inside the call: their values change between calls
+            k1, v1 = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, enable_gqa=gqa)
 
         return call
 
