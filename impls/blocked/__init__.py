@@ -73,7 +73,7 @@ class Blocked(Impl):
     fwd_bwd = True
     score_mods = frozenset({"softcap", "alibi", "relative_bias"})  # in the CPU kernel only (unsupported_score_mod)
     selections: ClassVar[TakesSelections] = {"q_unit": (1, "block"), "kv_unit": ("token", "block", "page")}
-    applies_sinks = True  # through its kernels' log-sum-exp, where they run (`unsupported`)
+    applies_sinks = True  # through its kernels' log-sum-exp where they run; its torch-op steps refuse in prepare
 
     def build_ahead(self, devices):
         if "cpu" in devices:  # both C++ kernels; each is cached per machine and loads in a second once built
