@@ -51,7 +51,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
 
 
 def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
-              selection: Selection | Tensor | None = None, *, q_unit: int | str = "block",
+              selection: Selection | Tensor | str | None = None, *, q_unit: int | str = "block",
               kv_unit: int | str = "block", shared: str = "head", block_size: int | None = None,
               score_mod: str | None = None, **fields: Any) -> Tensor:
     """Attention under `pattern` with scale 1/sqrt(D), by implementation `impl_name`: (B, H, q_len, D).
@@ -60,7 +60,8 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     h // (H / Hkv). Differentiable when q, k or v require grad and the implementation supports fwd_bwd.
     `selection`: attend only over the key units a selector chose (bench.selection), a `Selection` or its indices
     int32 (B, H_sel, query units, K) with `q_unit`, `kv_unit` (1, a number of keys, or row/token, block, page)
-    and `shared`; `pattern` is then the base pattern. `score_mod` (softcap, alibi, relative_bias or a registered
+    and `shared`, or a selector's name, run on (q, k) with the `budget` or `threshold` keyword (`"msa",
+    budget=8`); `pattern` is then the base pattern. `score_mod` (softcap, alibi, relative_bias or a registered
     name) modifies the scaled scores before the mask, with its case fields as keywords (`softcap=50.0`); other case
     fields are keywords too (`sinks="learned"` or one logit per query head, `budget`). Raises
     `bench.errors.Unavailable` with the reason when the implementation cannot run here or this case, ValueError
@@ -79,6 +80,8 @@ def attention(impl_name: str, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     if selection is not None and case.score_mod != "none":
         raise ValueError(f"score_mod {case.score_mod!r} with a selection: score modifications are measured on "
                          "static patterns only (selection=None)")
+    if isinstance(selection, str):  # a selector's name: its selection of these inputs, with the case's amount
+        selection = select_by_name(selection, q, k, case)
     chosen = None if selection is None else as_selection(selection, case, q_unit, kv_unit, shared)
     grad_out = None  # the caller runs the backward: the call is the forward alone
     prepared = prepare(impl, case, pattern, q, k, v, grad_out, selection=chosen)
@@ -110,6 +113,20 @@ def as_selection(selection: Selection | Tensor, case: Case, q_unit: int | str, k
         selection = Selection(selection, sizes[0], sizes[1], shared)  # type: ignore[arg-type]
     selection.validate(case.batch, case.heads, case.n_kv_heads, case.n_queries, case.seq_len)
     return selection
+
+
+def select_by_name(name: str, q: Tensor, k: Tensor, case: Case) -> Selection:
+    """The named selector's selection for `attention`: ValueError for an unknown name or a missing amount."""
+    try:
+        takes = get_selector(name).takes
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    amount = {"budget": case.budget, "threshold": case.threshold}.get(str(takes), 0)
+    if amount is None:
+        allowed = "a count of units, or a fraction in (0, 1] of what the pattern allows" if takes == "budget" \
+            else "a mass in (0, 1]"
+        raise ValueError(f"selector {name!r} keeps a {takes}: give {takes}= ({allowed})")
+    return select(name, q, k, replace(case, selector=name))
 
 
 def select(selector_name: str, q: Tensor, k: Tensor, case: Case) -> Selection:

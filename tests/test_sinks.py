@@ -193,3 +193,25 @@ def test_a_suite_with_sinks_checks_every_timed_call_and_skips_the_others(tmp_pat
             assert r.timing is not None and r.timing.checked_calls >= 2 and r.params["sinks"] == "learned"
             assert "-sinks-" in r.case_id
     assert records["csr", "fwd"].status == "skipped" and "log-sum-exp" in (records["csr", "fwd"].reason or "")
+
+
+def test_attention_takes_a_selector_by_name_with_its_budget_and_sinks() -> None:
+    """`bench.api.attention(impl, q, k, v, pattern, "msa", budget=2, sinks=...)`: the selector runs on the caller's
+    tensors; the output equals the oracle under that selection with the sinks; a missing budget names it."""
+    h, hkv, n = 4, 2, 64
+    q, k, v = inputs(h, hkv, n, n)
+    pattern = make_pattern("causal", n)
+    out = api.attention("sdpa", q, k, v, pattern, "msa", budget=2, block_size=16, sinks="learned")
+    case = Case(batch=2, heads=h, kv_heads=hkv, head_dim=16, seq_len=n, pattern="causal", block_size=16,
+                selector="msa", budget=2, sinks="learned")
+    chosen = api.select("msa", q, k, case)
+
+    def rows_mask(rows):
+        return effective_mask(chosen, pattern, rows, h, hkv)
+
+    expected, _ = reference_attention_lse(q, k, v, pattern, extra_mask=rows_mask, sinks=case.sink_logits())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="selector 'msa' keeps a budget: give budget="):
+        api.attention("sdpa", q, k, v, pattern, "msa", block_size=16)
+    with pytest.raises(ValueError, match="unknown selector 'nosuch'"):
+        api.attention("sdpa", q, k, v, pattern, "nosuch", budget=2)
