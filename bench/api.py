@@ -121,8 +121,8 @@ def select_by_name(name: str, q: Tensor, k: Tensor, case: Case) -> Selection:
         takes = get_selector(name).takes
     except KeyError as exc:
         raise ValueError(exc.args[0]) from None
-    amount = {"budget": case.budget, "threshold": case.threshold}.get(str(takes), 0)
-    if amount is None:
+    missing = (takes == "budget" and case.budget is None) or (takes == "threshold" and case.threshold is None)
+    if missing:
         allowed = "a count of units, or a fraction in (0, 1] of what the pattern allows" if takes == "budget" \
             else "a mass in (0, 1]"
         raise ValueError(f"selector {name!r} keeps a {takes}: give {takes}= ({allowed})")

@@ -82,12 +82,9 @@ class Sdpa(Impl):
             if bias is not None:  # an additive score_mod beside the sinks: on the keys' columns
                 i, j = positions(case, torch.device("cpu"))
                 mask[0, :, :, :-1] += bias.bias(case.heads, i[:, 0], j[0], q.dtype).to(q.device)
-        gqa = k.shape[1] != q.shape[1]
 
         def call():
-            # K and V with the sink's zero key and value appended, inside the call: their values change between calls
-            k1, v1 = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
-            return F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, enable_gqa=gqa)
+            return attend_with_sink_key(q, k, v, mask)
 
         return call
 
@@ -98,9 +95,7 @@ class Sdpa(Impl):
         h, hkv = q.shape[1], k.shape[1]
         if case.sinks is not None:
             def attend_with_sinks(selection):
-                mask = with_sink_key(selection.dense_mask(base, h, hkv), case, q.dtype)
-                k1, v1 = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
-                return F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, enable_gqa=h != hkv)
+                return attend_with_sink_key(q, k, v, with_sink_key(selection.dense_mask(base, h, hkv), case, q.dtype))
 
             return attend_with_sinks
 
@@ -111,6 +106,13 @@ class Sdpa(Impl):
             return out.nan_to_num(0.0) * mask.any(dim=-1, keepdim=True).to(q.dtype)
 
         return attend
+
+
+def attend_with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA over K and V with the sink's zero key and value appended (inside the timed call: their values change
+    between calls), under `with_sink_key`'s float mask."""
+    k1, v1 = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def with_sink_key(allowed: torch.Tensor, case, dtype: torch.dtype) -> torch.Tensor:

@@ -36,6 +36,11 @@ def inputs(heads: int, kv_heads: int, seq_len: int, q_len: int, d: int = 16, see
     return tuple(t.requires_grad_(grad) for t in (q, k, v))
 
 
+def graded_sinks(heads: int) -> list[float]:
+    """One sink logit per head, from below to above the scores' typical log-sum-exp."""
+    return [0.3 * i - 1.0 for i in range(heads)]
+
+
 def literal(q, k, v, pattern, sinks):
     """Row by row in float64: softmax over the allowed keys' scaled scores and one more logit, the head's sink,
     whose value vector is zero."""
@@ -81,7 +86,7 @@ def test_implementations_apply_sinks_forward_and_backward(impl: str, shape) -> N
     _, name, n, nq, h, hkv, docs = shape
     q, k, v = inputs(h, hkv, n, nq, grad=True)
     pattern = make_pattern(name, n, q_len=nq, documents=docs, window=8)
-    sinks = [0.3 * i - 1.0 for i in range(h)]
+    sinks = graded_sinks(h)
     out = api.attention(impl, q, k, v, pattern, sinks=sinks)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     expected = reference_attention(q64, k64, v64, pattern, sinks=torch.tensor(sinks, dtype=torch.float64))
@@ -95,35 +100,26 @@ def test_implementations_apply_sinks_forward_and_backward(impl: str, shape) -> N
     assert not torch.allclose(api.attention(impl, q, k, v, pattern).detach(), out.detach(), atol=1e-3)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_blocked_applies_sinks_in_its_kernels(shape) -> None:
-    """Inference through the block kernel (the decode kernel at q_len 1) with its log-sum-exp; its torch-op steps
-    keep none, so a backward is Unavailable with that reason."""
-    _, name, n, nq, h, hkv, docs = shape
-    q, k, v = inputs(h, hkv, n, nq)
-    pattern = make_pattern(name, n, q_len=nq, documents=docs, window=8)
-    sinks = [0.3 * i - 1.0 for i in range(h)]
-    out = api.attention("blocked", q, k, v, pattern, sinks=sinks, block_size=16)
-    expected = reference_attention(q, k, v, pattern, sinks=torch.tensor(sinks, dtype=torch.float64))
-    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
-    with pytest.raises(Unavailable, match="torch-op steps for a static pattern keep none"):
-        api.attention("blocked", *(t.requires_grad_() for t in (q, k, v)), pattern, sinks=sinks, block_size=16)
+# Inference only, through a kernel's log-sum-exp: blocked's block kernel (its decode kernel at q_len 1), whose torch-op
+# steps keep none, and the Triton forward kernel's base-2 one (on CPU in the Triton interpreter), whose backward
+# kernels take no gradient of it; each refuses a backward with that reason.
+INFERENCE_ONLY = {"blocked": "torch-op steps for a static pattern keep none", "triton_block_sparse": "inference only"}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_the_triton_kernel_applies_sinks_in_inference(shape) -> None:
-    """Through the forward kernel's base-2 log-sum-exp (on CPU in the Triton interpreter); a backward is refused."""
-    if importlib.util.find_spec("triton") is None:  # not imported here: the implementation sets its interpreter up
-        pytest.skip("triton is not installed")
+@pytest.mark.parametrize("impl", INFERENCE_ONLY)
+def test_kernels_apply_sinks_in_inference_and_refuse_a_backward(impl: str, shape) -> None:
+    if impl == "triton_block_sparse" and importlib.util.find_spec("triton") is None:  # not imported here: the
+        pytest.skip("triton is not installed")  # implementation sets its interpreter up before triton loads
     _, name, n, nq, h, hkv, docs = shape
     q, k, v = inputs(h, hkv, n, nq)
     pattern = make_pattern(name, n, q_len=nq, documents=docs, window=8)
-    sinks = [0.3 * i - 1.0 for i in range(h)]
-    out = api.attention("triton_block_sparse", q, k, v, pattern, sinks=sinks, block_size=16)
+    sinks = graded_sinks(h)
+    out = api.attention(impl, q, k, v, pattern, sinks=sinks, block_size=16)
     expected = reference_attention(q, k, v, pattern, sinks=torch.tensor(sinks, dtype=torch.float64))
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
-    with pytest.raises(Unavailable, match="inference only"):
-        api.attention("triton_block_sparse", *(t.requires_grad_() for t in (q, k, v)), pattern, sinks=sinks)
+    with pytest.raises(Unavailable, match=INFERENCE_ONLY[impl]):
+        api.attention(impl, *(t.requires_grad_() for t in (q, k, v)), pattern, sinks=sinks, block_size=16)
 
 
 @pytest.mark.parametrize("impl", ["dense", "sdpa", "blocked"])
